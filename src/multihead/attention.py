@@ -1,0 +1,349 @@
+"""``MultiHeadAttention``: projections, head split/merge and grouped-query heads over :func:`attention`.
+
+Dimensions: B batch, Lq/Lk query/key lengths, E embed_dim, H query heads, Hkv key/value heads,
+Dk query/key head dim, Dv value head dim, O out_dim.
+
+Parameter layout (the same as ``torch.nn.MultiheadAttention``, so weights copy over one to one):
+
+* ``kdim == vdim == embed_dim``: one ``in_proj_weight`` (H*Dk + Hkv*Dk + Hkv*Dv, E), rows [q | k | v];
+  self-attention computes Q, K and V with that single matrix multiply;
+* otherwise ``q_proj_weight`` (H*Dk, E), ``k_proj_weight`` (Hkv*Dk, kdim), ``v_proj_weight`` (Hkv*Dv, vdim);
+* ``in_proj_bias`` (H*Dk + Hkv*Dk + Hkv*Dv,) when ``bias``; ``out_proj`` = Linear(H*Dv, O).
+
+Within each projection, head ``i`` owns rows ``[i*D, (i+1)*D)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .functional import AttentionOutput, attention, check_dropout
+
+__all__ = ["MultiHeadAttention"]
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def split_heads(x: Tensor, heads: int) -> Tensor:
+    """(B, L, heads*D) -> (B, heads, L, D), a view."""
+    return x.unflatten(-1, (heads, -1)).transpose(1, 2)  # (B, heads, L, D)
+
+
+def merge_heads(x: Tensor) -> Tensor:
+    """(B, heads, L, D) -> (B, L, heads*D)."""
+    return x.transpose(1, 2).flatten(2)  # (B, L, heads*D)
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention with grouped-query heads, every mask kind and exact torch interop.
+
+    Args:
+        embed_dim: E, the query feature size (and the output size unless ``out_dim``).
+        num_heads: H query heads.
+        kv_heads: Hkv key/value heads (default H); H % Hkv == 0. 1 is multi-query attention.
+        kdim, vdim: key/value input feature sizes (default E).
+        head_dim: Dk per head (default E // H, which then must divide).
+        v_head_dim: Dv per head (default Dk).
+        out_dim: O, output features (default E).
+        bias: biases on the input and output projections.
+        dropout: dropout on the attention weights, in training mode only.
+        device, dtype: factory arguments for the parameters.
+
+    Forward: ``query`` (B, Lq, E) [or unbatched (Lq, E)], ``key`` (B, Lk, kdim), ``value`` (B, Lk, vdim);
+    ``key``/``value`` default to ``query`` (self-attention). Masks follow :func:`multihead.attention`:
+    ``mask`` bool (True = may attend) broadcastable to (B, H, Lq, Lk), ``bias`` float, ``valid_lens``
+    (B,) or (B, Lq), ``causal`` bottom-right aligned. Returns (B, Lq, O), or
+    ``AttentionOutput(output, weights (B, H, Lq, Lk))`` with ``return_weights=True``.
+
+    ``backend`` (attribute, default ``"auto"``) is passed to :func:`multihead.attention`.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        kv_heads: int | None = None,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        head_dim: int | None = None,
+        v_head_dim: int | None = None,
+        out_dim: int | None = None,
+        bias: bool = True,
+        dropout: float = 0.0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        factory = {"device": device, "dtype": dtype}
+        self.embed_dim = _positive_int("embed_dim", embed_dim)
+        self.num_heads = _positive_int("num_heads", num_heads)
+        self.kv_heads = _positive_int("kv_heads", num_heads if kv_heads is None else kv_heads)
+        if self.num_heads % self.kv_heads:
+            raise ValueError(
+                f"num_heads ({num_heads}) must be divisible by kv_heads ({kv_heads}): each key/value head "
+                f"serves num_heads // kv_heads query heads; pick kv_heads from the divisors of num_heads"
+            )
+        if head_dim is None and embed_dim % num_heads:
+            raise ValueError(
+                f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads}), or pass head_dim= "
+                f"explicitly (e.g. head_dim={max(1, embed_dim // num_heads)})"
+            )
+        self.head_dim = _positive_int("head_dim", embed_dim // num_heads if head_dim is None else head_dim)
+        self.v_head_dim = _positive_int("v_head_dim", self.head_dim if v_head_dim is None else v_head_dim)
+        self.kdim = _positive_int("kdim", embed_dim if kdim is None else kdim)
+        self.vdim = _positive_int("vdim", embed_dim if vdim is None else vdim)
+        self.out_dim = _positive_int("out_dim", embed_dim if out_dim is None else out_dim)
+        self.dropout = check_dropout(dropout)
+        self.backend = "auto"
+
+        nq, nk, nv = self._proj_sizes()
+        self._qkv_same_embed_dim = self.kdim == self.embed_dim and self.vdim == self.embed_dim
+        if self._qkv_same_embed_dim:
+            self.in_proj_weight = nn.Parameter(torch.empty(nq + nk + nv, embed_dim, **factory))
+            self.register_parameter("q_proj_weight", None)
+            self.register_parameter("k_proj_weight", None)
+            self.register_parameter("v_proj_weight", None)
+        else:
+            self.register_parameter("in_proj_weight", None)
+            self.q_proj_weight = nn.Parameter(torch.empty(nq, embed_dim, **factory))
+            self.k_proj_weight = nn.Parameter(torch.empty(nk, self.kdim, **factory))
+            self.v_proj_weight = nn.Parameter(torch.empty(nv, self.vdim, **factory))
+        if bias:
+            self.in_proj_bias = nn.Parameter(torch.empty(nq + nk + nv, **factory))
+        else:
+            self.register_parameter("in_proj_bias", None)
+        self.out_proj = nn.Linear(self.num_heads * self.v_head_dim, self.out_dim, bias=bias, **factory)
+        self.reset_parameters()
+
+    def _proj_sizes(self) -> tuple[int, int, int]:
+        """Output rows of the q, k and v projections: (H*Dk, Hkv*Dk, Hkv*Dv)."""
+        return (
+            self.num_heads * self.head_dim,
+            self.kv_heads * self.head_dim,
+            self.kv_heads * self.v_head_dim,
+        )
+
+    def reset_parameters(self) -> None:
+        """Xavier-uniform projections and zero biases (torch.nn.MultiheadAttention's initialisation)."""
+        if self._qkv_same_embed_dim:
+            nn.init.xavier_uniform_(self.in_proj_weight)
+        else:
+            nn.init.xavier_uniform_(self.q_proj_weight)
+            nn.init.xavier_uniform_(self.k_proj_weight)
+            nn.init.xavier_uniform_(self.v_proj_weight)
+        if self.in_proj_bias is not None:
+            nn.init.zeros_(self.in_proj_bias)
+        self.out_proj.reset_parameters()
+        if self.out_proj.bias is not None:
+            nn.init.zeros_(self.out_proj.bias)
+
+    def extra_repr(self) -> str:
+        parts = [f"embed_dim={self.embed_dim}", f"num_heads={self.num_heads}"]
+        defaults = {
+            "kv_heads": self.num_heads,
+            "kdim": self.embed_dim,
+            "vdim": self.embed_dim,
+            "head_dim": self.embed_dim // self.num_heads,
+            "v_head_dim": self.head_dim,
+            "out_dim": self.embed_dim,
+        }
+        parts += [f"{k}={getattr(self, k)}" for k, d in defaults.items() if getattr(self, k) != d]
+        if self.in_proj_bias is None:
+            parts.append("bias=False")
+        if self.dropout:
+            parts.append(f"dropout={self.dropout}")
+        return ", ".join(parts)
+
+    # ------------------------------------------------------------------------------------------
+    # Projections
+    # ------------------------------------------------------------------------------------------
+
+    def proj_weights(self) -> tuple[Tensor, Tensor, Tensor]:
+        """The q, k and v projection weights, (H*Dk, E), (Hkv*Dk, kdim), (Hkv*Dv, vdim) (views, no copy)."""
+        if self._qkv_same_embed_dim:
+            nq, nk, nv = self._proj_sizes()
+            wq, wk, wv = self.in_proj_weight.split([nq, nk, nv])
+            return wq, wk, wv
+        return self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+
+    def proj_biases(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """The q, k and v projection biases (views of ``in_proj_bias``), or three ``None``."""
+        if self.in_proj_bias is None:
+            return None, None, None
+        bq, bk, bv = self.in_proj_bias.split(list(self._proj_sizes()))
+        return bq, bk, bv
+
+    def project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Inputs (B, L, feat) to heads: q (B, H, Lq, Dk), k (B, Hkv, Lk, Dk), v (B, Hkv, Lk, Dv).
+
+        Self-attention (``key is value is query``) uses one fused matmul for Q, K and V; cross-attention
+        with ``key is value`` uses one for K and V.
+        """
+        nq, nk, nv = self._proj_sizes()
+        if self._qkv_same_embed_dim and key is query and value is query:
+            qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias)  # (B, L, Nq+Nk+Nv)
+            q, k, v = qkv.split([nq, nk, nv], dim=-1)  # (B, L, Nq), (B, L, Nk), (B, L, Nv)
+        else:
+            (wq, wk, wv), (bq, bk, bv) = self.proj_weights(), self.proj_biases()
+            q = F.linear(query, wq, bq)  # (B, Lq, H*Dk)
+            if self._qkv_same_embed_dim and key is value:
+                kv_b = None if self.in_proj_bias is None else self.in_proj_bias[nq:]
+                k, v = F.linear(key, self.in_proj_weight[nq:], kv_b).split([nk, nv], dim=-1)
+            else:
+                k = F.linear(key, wk, bk)  # (B, Lk, Hkv*Dk)
+                v = F.linear(value, wv, bv)  # (B, Lk, Hkv*Dv)
+        return split_heads(q, self.num_heads), split_heads(k, self.kv_heads), split_heads(v, self.kv_heads)
+
+    # ------------------------------------------------------------------------------------------
+    # Forward
+    # ------------------------------------------------------------------------------------------
+
+    def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> None:
+        ref = self.out_proj.weight
+        for name, t, feat in (
+            ("query", query, self.embed_dim),
+            ("key", key, self.kdim),
+            ("value", value, self.vdim),
+        ):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != 3 or t.shape[-1] != feat:
+                raise ValueError(
+                    f"{name} must have shape (B, L, {feat}) (batch first; last dim = "
+                    f"{ {'query': 'embed_dim', 'key': 'kdim', 'value': 'vdim'}[name] }), got {tuple(t.shape)}"
+                )
+            if t.dtype != ref.dtype:
+                raise TypeError(
+                    f"{name} has dtype {t.dtype} but the module's parameters are {ref.dtype}; convert the "
+                    f"input with `{name}.to({ref.dtype})` or the module with `module.to({t.dtype})`"
+                )
+            if t.device != ref.device:
+                raise ValueError(
+                    f"{name} is on {t.device} but the module's parameters are on {ref.device}; move one of them"
+                )
+        if query.shape[0] != key.shape[0] or key.shape[:2] != value.shape[:2]:
+            raise ValueError(
+                f"query (B, Lq, E), key (B, Lk, kdim) and value (B, Lk, vdim) must share B, and key/value Lk; "
+                f"got query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
+            )
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        *,
+        mask: Tensor | None = None,
+        bias: Tensor | None = None,
+        valid_lens: Tensor | None = None,
+        causal: bool = False,
+        cache: object | None = None,
+        return_weights: bool = False,
+    ) -> Tensor | AttentionOutput:
+        """Attend ``query`` (B, Lq, E) to ``key``/``value`` (B, Lk, *); see the class docstring."""
+        if cache is not None:
+            raise NotImplementedError("KV-cache decoding arrives with the Transformer (multihead.KVCache)")
+        key = query if key is None else key
+        value = key if value is None else value
+        unbatched = isinstance(query, Tensor) and query.dim() == 2
+        if unbatched:  # (L, E) -> (1, L, E), keeping `key is query` identity for the fused path
+            same_k, same_v = key is query, value is key
+            query = query.unsqueeze(0)
+            key = query if same_k else key.unsqueeze(0)
+            value = key if same_v else value.unsqueeze(0)
+        self._check_inputs(query, key, value)
+
+        q, k, v = self.project(query, key, value)  # (B, H, Lq, Dk), (B, Hkv, Lk, Dk), (B, Hkv, Lk, Dv)
+        res = attention(
+            q,
+            k,
+            v,
+            mask=mask,
+            bias=bias,
+            valid_lens=valid_lens,
+            causal=causal,
+            dropout=self.dropout if self.training else 0.0,
+            return_weights=return_weights,
+            backend=self.backend,
+        )
+        out_heads, weights = res if isinstance(res, AttentionOutput) else (res, None)
+        out = self.out_proj(merge_heads(out_heads))  # (B, Lq, O)
+        if unbatched:
+            out = out.squeeze(0)
+            weights = None if weights is None else weights.squeeze(0)
+        return AttentionOutput(out, weights) if weights is not None else out
+
+    # ------------------------------------------------------------------------------------------
+    # torch.nn.MultiheadAttention interop
+    # ------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_torch(cls, m: nn.MultiheadAttention) -> MultiHeadAttention:
+        """A copy of ``m``'s exact weights (kdim/vdim and bias=False layouts included).
+
+        The result is batch first whatever ``m.batch_first`` is. ``add_bias_kv``/``add_zero_attn`` have
+        no place here: use :class:`multihead.compat.torch.MultiheadAttention` for those.
+        """
+        if not isinstance(m, nn.MultiheadAttention):
+            raise TypeError(f"from_torch expects a torch.nn.MultiheadAttention, got {type(m).__name__}")
+        if m.bias_k is not None or m.add_zero_attn:
+            raise ValueError(
+                "add_bias_kv / add_zero_attn are not part of multihead.MultiHeadAttention; load the module "
+                "into multihead.compat.torch.MultiheadAttention instead"
+            )
+        ref = m.out_proj.weight
+        new = cls(
+            m.embed_dim,
+            m.num_heads,
+            kdim=m.kdim,
+            vdim=m.vdim,
+            bias=m.in_proj_bias is not None,
+            dropout=m.dropout,
+            device=ref.device,
+            dtype=ref.dtype,
+        )
+        new.load_state_dict({k: v for k, v in m.state_dict().items()}, strict=True)
+        new.train(m.training)
+        return new
+
+    def to_torch(self) -> nn.MultiheadAttention:
+        """An ``nn.MultiheadAttention(batch_first=True)`` with these exact weights.
+
+        Only for configurations torch can express: kv_heads == num_heads, head_dim * num_heads ==
+        embed_dim, v_head_dim == head_dim and out_dim == embed_dim.
+        """
+        problems = []
+        if self.kv_heads != self.num_heads:
+            problems.append(f"kv_heads={self.kv_heads} != num_heads={self.num_heads} (grouped-query)")
+        if self.head_dim * self.num_heads != self.embed_dim:
+            problems.append(
+                f"head_dim*num_heads={self.head_dim * self.num_heads} != embed_dim={self.embed_dim}"
+            )
+        if self.v_head_dim != self.head_dim:
+            problems.append(f"v_head_dim={self.v_head_dim} != head_dim={self.head_dim}")
+        if self.out_dim != self.embed_dim:
+            problems.append(f"out_dim={self.out_dim} != embed_dim={self.embed_dim}")
+        if problems:
+            raise ValueError("torch.nn.MultiheadAttention cannot express this module: " + "; ".join(problems))
+        ref = self.out_proj.weight
+        m = nn.MultiheadAttention(
+            self.embed_dim,
+            self.num_heads,
+            dropout=self.dropout,
+            bias=self.in_proj_bias is not None,
+            kdim=self.kdim,
+            vdim=self.vdim,
+            batch_first=True,
+            device=ref.device,
+            dtype=ref.dtype,
+        )
+        m.load_state_dict(self.state_dict(), strict=True)
+        m.train(self.training)
+        return m

@@ -1,0 +1,97 @@
+"""Attention backends behind one signature, and the small registry that picks one.
+
+Dimensions: B batch, H query heads, Hkv key/value heads (H % Hkv == 0), G = H // Hkv,
+Lq/Lk query/key lengths, Dk query/key head dim, Dv value head dim.
+
+A backend is an object with a ``name``, a ``why_not(call) -> list[str]`` that lists every reason it
+cannot serve a call (empty = it can), and ``__call__(call) -> (output, weights | None)``.
+``backend="auto"`` takes the first backend of :data:`AUTO_ORDER` with no reasons; a named backend that
+cannot serve the call raises a ``ValueError`` listing its reasons -- a backend never guesses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from torch import Tensor
+
+from ..masks import Normalized
+
+__all__ = ["AUTO_ORDER", "AttentionCall", "Backend", "available", "explain", "get", "register", "select"]
+
+
+@dataclass
+class AttentionCall:
+    """One validated attention call: inputs, normalised masks and options."""
+
+    q: Tensor  # (B, H, Lq, Dk)
+    k: Tensor  # (B, Hkv, Lk, Dk)
+    v: Tensor  # (B, Hkv, Lk, Dv)
+    masks: Normalized
+    scale: float
+    dropout: float
+    return_weights: bool
+
+    @property
+    def groups(self) -> int:
+        """G = H // Hkv query heads per key/value head (1 for plain multi-head attention)."""
+        return self.q.shape[1] // self.k.shape[1]
+
+
+class Backend(Protocol):
+    name: str
+
+    def why_not(self, call: AttentionCall) -> list[str]: ...
+
+    def __call__(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]: ...
+
+
+_REGISTRY: dict[str, Backend] = {}
+AUTO_ORDER: list[str] = []
+
+
+def register(backend: Backend, *, auto: bool = True) -> Backend:
+    """Add ``backend`` to the registry (and to the ``auto`` order, by default at the end)."""
+    _REGISTRY[backend.name] = backend
+    if auto and backend.name not in AUTO_ORDER:
+        AUTO_ORDER.append(backend.name)
+    return backend
+
+
+def get(name: str) -> Backend:
+    """The registered backend called ``name``."""
+    if name not in _REGISTRY:
+        raise ValueError(f"backend must be 'auto' or one of {sorted(_REGISTRY)}, got {name!r}")
+    return _REGISTRY[name]
+
+
+def available() -> list[str]:
+    """Names of every registered backend."""
+    return sorted(_REGISTRY)
+
+
+def explain(call: AttentionCall) -> dict[str, list[str]]:
+    """For each backend, the reasons it cannot serve ``call`` (an empty list means it can)."""
+    return {name: _REGISTRY[name].why_not(call) for name in _REGISTRY}
+
+
+def select(call: AttentionCall, name: str = "auto") -> Backend:
+    """The backend that serves ``call``: the named one, or the first able one in :data:`AUTO_ORDER`."""
+    if name == "auto":
+        for candidate in AUTO_ORDER:
+            if not _REGISTRY[candidate].why_not(call):
+                return _REGISTRY[candidate]
+        raise RuntimeError(f"no backend can serve this call: {explain(call)}")  # math serves all
+    backend = get(name)
+    reasons = backend.why_not(call)
+    if reasons:
+        raise ValueError(f"backend {name!r} cannot serve this call: " + "; ".join(reasons))
+    return backend
+
+
+from . import math as _math  # noqa: E402
+from . import sdpa as _sdpa  # noqa: E402  (registration order is the auto order)
+
+register(_sdpa.SDPABackend())
+register(_math.MathBackend())

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import _inspect
 from .functional import AttentionOutput, attention, check_dropout
 
 __all__ = ["MultiHeadAttention"]
@@ -261,6 +262,7 @@ class MultiHeadAttention(nn.Module):
         self._check_inputs(query, key, value)
 
         q, k, v = self.project(query, key, value)  # (B, H, Lq, Dk), (B, Hkv, Lk, Dk), (B, Hkv, Lk, Dv)
+        inspector = _inspect.current()
         res = attention(
             q,
             k,
@@ -270,10 +272,13 @@ class MultiHeadAttention(nn.Module):
             valid_lens=valid_lens,
             causal=causal,
             dropout=self.dropout if self.training else 0.0,
-            return_weights=return_weights,
+            return_weights=return_weights or (inspector is not None and inspector.wants_weights),
             backend=self.backend,
         )
-        out_heads, weights = res if isinstance(res, AttentionOutput) else (res, None)
+        out_heads, weights = res if isinstance(res, AttentionOutput) else (res, None)  # (B, H, Lq, Dv)
+        if inspector is not None:
+            out_heads = inspector.on_heads(self, out_heads, weights)
+            weights = weights if return_weights else None
         out = self.out_proj(merge_heads(out_heads))  # (B, Lq, O)
         if unbatched:
             out = out.squeeze(0)

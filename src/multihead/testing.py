@@ -1,0 +1,90 @@
+"""Checking attention implementations against :func:`multihead.attention_reference`.
+
+The rule (flash-attention's): in a working dtype, a fast path's error against a float64 reference may be
+at most ``factor`` (2) times the reference's own error in that dtype, plus a tiny absolute floor for the
+cases where the reference is exact. In float64 the fast path must match the reference tightly.
+
+Dimensions: B batch, H heads, Hkv kv heads, Lq/Lk lengths, Dk/Dv head dims.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .functional import AttentionOutput, attention_reference
+
+__all__ = ["ErrorReport", "compare_to_reference"]
+
+_FLOOR = {torch.float64: 1e-12, torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+
+
+@dataclass
+class ErrorReport:
+    """Max absolute errors against the float64 reference: of the fast path and of the reference itself."""
+
+    fast: float
+    reference: float
+    factor: float
+    floor: float
+    fast_weights: float | None = None
+    reference_weights: float | None = None
+
+    def allowed(self, reference_error: float) -> float:
+        """The largest fast-path error accepted when the reference's own error is ``reference_error``."""
+        return self.factor * reference_error + self.floor
+
+    @property
+    def ok(self) -> bool:
+        """Output (and weights, when both were returned) within the allowed error."""
+        ok = self.fast <= self.allowed(self.reference)
+        if self.fast_weights is not None and self.reference_weights is not None:
+            ok = ok and self.fast_weights <= self.allowed(self.reference_weights)
+        return ok
+
+
+def _to64(x: object) -> object:
+    return x.double() if isinstance(x, Tensor) and x.is_floating_point() else x
+
+
+def _split(res: Tensor | AttentionOutput) -> tuple[Tensor, Tensor | None]:
+    return (res.output, res.weights) if isinstance(res, AttentionOutput) else (res, None)
+
+
+def compare_to_reference(
+    fn: Callable[..., Tensor | AttentionOutput],
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    factor: float = 2.0,
+    **kwargs: object,
+) -> ErrorReport:
+    """Run ``fn(q, k, v, **kwargs)`` and the reference in q's dtype and in float64; report the errors.
+
+    q (B, H, Lq, Dk), k (B, Hkv, Lk, Dk), v (B, Hkv, Lk, Dv). ``kwargs`` are attention keywords (masks,
+    ``causal``, ``scale``, ``return_weights``...); float tensors among them (``bias``) are promoted to
+    float64 for the gold run. Use ``report.ok`` or read the numbers.
+    """
+    gold_out, gold_w = _split(
+        attention_reference(_to64(q), _to64(k), _to64(v), **{n: _to64(x) for n, x in kwargs.items()})
+    )
+    fast_out, fast_w = _split(fn(q, k, v, **kwargs))
+    ref_out, ref_w = _split(attention_reference(q, k, v, **kwargs))
+
+    def err(a: Tensor | None, b: Tensor | None) -> float | None:
+        return None if a is None or b is None else float((a.double() - b).abs().max()) if a.numel() else 0.0
+
+    fast_err, ref_err = err(fast_out, gold_out), err(ref_out, gold_out)
+    assert fast_err is not None and ref_err is not None
+    return ErrorReport(
+        fast=fast_err,
+        reference=ref_err,
+        factor=factor,
+        floor=_FLOOR.get(q.dtype, 1e-6),
+        fast_weights=err(fast_w, gold_w),
+        reference_weights=err(ref_w, gold_w),
+    )

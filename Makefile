@@ -20,8 +20,8 @@ demo: $(STAMP)
 	$(VENV)/bin/multihead demo
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks examples
-	$(VENV)/bin/ruff format --check src tests benchmarks examples
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 test: lint
 	$(PY) -m pytest -q -n 2 --durations=10

@@ -38,6 +38,15 @@ def _tokens(b, n, vocab=11, low=3, seed=1):
     return torch.randint(low, vocab, (b, n), generator=g)
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """These tests run many tiny ops: one intra-op thread per xdist worker avoids oversubscribing cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 # ----------------------------------------------------------------------------------------------
 # Positional encoding and feed-forward
 # ----------------------------------------------------------------------------------------------
@@ -180,8 +189,8 @@ def test_stack_construction():
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_cached_decoder_steps_equal_full_forward(rotary, norm_first):
     torch.manual_seed(0)
-    dec = mh.TransformerDecoder(32, 4, 64, norm_first=norm_first, rotary=rotary, num_layers=3).eval()
-    x, memory = torch.randn(2, 7, 32), torch.randn(2, 5, 32)
+    dec = mh.TransformerDecoder(16, 2, 32, norm_first=norm_first, rotary=rotary, num_layers=2).eval()
+    x, memory = torch.randn(2, 7, 16), torch.randn(2, 5, 16)
     mem_lens = torch.tensor([5, 3])
     full = dec(x, memory, memory_valid_lens=mem_lens)
     cache = mh.KVCache()
@@ -292,11 +301,19 @@ def _greedy_without_cache(model, src, max_len):
     return torch.stack(out, dim=1)
 
 
-def _score(model, src, hyp, alpha):
-    """Oracle: length-normalised log-probability of ``hyp`` (list of ids, eos included) by teacher forcing."""
+def _scores(model, src, hyps, alpha):
+    """Oracle: length-normalised log-probabilities of ``hyps`` (lists of ids, eos included) for one source
+    (1, S), by teacher forcing all of them in one padded batch (causal: padding after a hypothesis
+    cannot change its positions)."""
+    n, width = len(hyps), max(map(len, hyps))
+    dec_in = torch.full((n, width), PAD)
+    for i, h in enumerate(hyps):
+        dec_in[i, : len(h)] = torch.tensor([BOS] + h[:-1])
     with torch.no_grad():
-        logp = model(src, torch.tensor([[BOS] + hyp[:-1]])).log_softmax(-1)[0]
-    return sum(logp[i, tok].item() for i, tok in enumerate(hyp)) / len(hyp) ** alpha
+        logp = model(src.expand(n, -1), dec_in).log_softmax(-1)  # (n, width, V)
+    return [
+        sum(logp[i, j, tok].item() for j, tok in enumerate(h)) / len(h) ** alpha for i, h in enumerate(hyps)
+    ]
 
 
 @pytest.mark.parametrize("rotary", [False, True])
@@ -328,12 +345,14 @@ def test_wide_beam_finds_the_best_sequence(alpha):
             hyps.append([*body, EOS])
         if n == max_len:
             hyps += [list(h) for h in itertools.product([t for t in words if t != EOS], repeat=n)]
-    best = max(hyps, key=lambda h: _score(model, src, h, alpha))
+    scores = _scores(model, src, hyps, alpha)
+    best_score = max(scores)
+    best = hyps[scores.index(best_score)]
     got, score = model.generate(
         src, bos_id=BOS, eos_id=EOS, max_len=max_len, beam_size=16, length_penalty=alpha, return_scores=True
     )
     assert got[0].tolist() == best
-    assert abs(score.item() - _score(model, src, best, alpha)) < 1e-5
+    assert abs(score.item() - best_score) < 1e-5
 
 
 def test_beam_scores_match_teacher_forcing():
@@ -345,7 +364,7 @@ def test_beam_scores_match_teacher_forcing():
         if EOS in hyp:
             hyp = hyp[: hyp.index(EOS) + 1]
             assert all(t == PAD for t in tokens[i, len(hyp) :].tolist())
-        assert abs(scores[i].item() - _score(model, src[i : i + 1, : 6 - 3 * i], hyp, 1.0)) < 1e-5
+        assert abs(scores[i].item() - _scores(model, src[i : i + 1, : 6 - 3 * i], [hyp], 1.0)[0]) < 1e-5
 
 
 def test_generate_keeps_training_mode_and_stops_at_max_len():

@@ -4,6 +4,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import multihead as mh
 from multihead.rotary import RotaryEmbedding
@@ -208,3 +210,23 @@ def test_cached_attention_is_unbatched_friendly():
     out = torch.cat([mha(x[t : t + 1], cache=cache, causal=True) for t in range(4)])
     torch.testing.assert_close(out, mha(x, causal=True), rtol=0, atol=1e-6)
     assert math.isclose(len(cache), 4)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    cuts=st.lists(st.integers(1, 10), min_size=1, max_size=6),
+    rotary=st.booleans(),
+    kv_heads=st.sampled_from([None, 2, 1]),
+    batch=st.integers(1, 3),
+)
+def test_any_chunking_of_cached_decoding_equals_full(cuts, rotary, kv_heads, batch):
+    """Property: however a sequence is split into cached calls, the outputs equal one causal pass."""
+    mha = _mha(heads=4, kv_heads=kv_heads, rotary=rotary, embed=16)
+    length = sum(cuts)
+    x = torch.randn(batch, length, 16)
+    full = mha(x, causal=True)
+    cache, start, outs = mh.KVCache(), 0, []
+    for n in cuts:
+        outs.append(mha(x[:, start : start + n], cache=cache, causal=True))
+        start += n
+    torch.testing.assert_close(torch.cat(outs, dim=1), full, rtol=0, atol=1e-5)

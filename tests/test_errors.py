@@ -173,9 +173,3 @@ def test_module_mask_error_names_shapes():
         ValueError, match=r"mask of shape \(2, 3, 3\) does not broadcast to \(B, H, Lq, Lk\) = \(1, 2, 4, 4\)"
     ):
         m(torch.randn(1, 4, 8), mask=torch.ones(2, 3, 3, dtype=torch.bool))
-
-
-def test_cache_until_transformer():
-    m = mh.MultiHeadAttention(8, 2)
-    with pytest.raises(NotImplementedError):
-        m(torch.randn(1, 4, 8), cache=object())

@@ -42,7 +42,9 @@ def transpose_output(x, h):
 
 
 def d2l_mha(layer, queries, keys, values, valid_lens):
-    q, k, v = (transpose_qkv(w(x), H) for w, x in ((layer.W_q, queries), (layer.W_k, keys), (layer.W_v, values)))
+    q, k, v = (
+        transpose_qkv(w(x), H) for w, x in ((layer.W_q, queries), (layer.W_k, keys), (layer.W_v, values))
+    )
     if valid_lens is not None:
         valid_lens = torch.repeat_interleave(valid_lens, repeats=H, dim=0)
     out, w = d2l_dot_product(q, k, v, valid_lens)
@@ -97,7 +99,7 @@ def test_weights_only_on_request():
     x, y = _data()
     layer(x, y, y, torch.tensor([3, 2]))
     with pytest.raises(RuntimeError, match="keep_weights=True"):
-        layer.attention.attention_weights
+        _ = layer.attention.attention_weights
     layer.attention.keep_weights = True
     layer(x, y, y, torch.tensor([3, 2]))
     assert layer.attention.attention_weights.shape == (B * H, LQ, LK)

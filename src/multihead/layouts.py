@@ -208,7 +208,9 @@ def module_from_state(state: Mapping[str, Tensor], num_heads: int) -> MultiHeadA
     s = _split_state(state)
     hd, e = s.w_q.shape
     if hd % num_heads or s.w_v.shape[0] % num_heads:
-        raise ValueError(f"projection sizes {hd} and {s.w_v.shape[0]} must be divisible by num_heads={num_heads}")
+        raise ValueError(
+            f"projection sizes {hd} and {s.w_v.shape[0]} must be divisible by num_heads={num_heads}"
+        )
     ref = s.w_o
     m = MultiHeadAttention(
         e,

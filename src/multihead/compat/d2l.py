@@ -69,7 +69,9 @@ class DotProductAttention(nn.Module):
         self._weights = None
         return res
 
-    def forward(self, queries: Tensor, keys: Tensor, values: Tensor, valid_lens: Tensor | None = None) -> Tensor:
+    def forward(
+        self, queries: Tensor, keys: Tensor, values: Tensor, valid_lens: Tensor | None = None
+    ) -> Tensor:
         """(B, Lq, D), (B, Lk, D), (B, Lk, Dv) -> (B, Lq, Dv)."""
         q, k, v = (t.unsqueeze(1) for t in (queries, keys, values))  # (B, 1, L, D): one head
         return self.attend(q, k, v, valid_lens).squeeze(1)  # (B, Lq, Dv)

@@ -12,11 +12,18 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run the end-to-end demo")
     demo.add_argument("--seed", type=int, default=0)
+    from .export import add_cli as add_export_cli
+
+    add_export_cli(sub)
     args = parser.parse_args(argv)
     if args.command == "demo":
         from .demo import seeds
 
         return seeds.run(seed=args.seed)
+    if args.command == "export":
+        from .export import run_cli as export_cli
+
+        return export_cli(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -1,0 +1,135 @@
+"""The d2l book's attention layers (seeds 003 and 004) over :func:`multihead.attention`.
+
+Dimensions: B batch, H heads, Lq queries, Lk key-value pairs, P = num_hiddens, D = P // H.
+
+Same signatures as d2l (``DotProductAttention(dropout)``, ``MultiHeadAttention(key_size, query_size,
+value_size, num_hiddens, num_heads, dropout, bias=False)``, ``forward(queries, keys, values,
+valid_lens)``), same ``W_q``/``W_k``/``W_v``/``W_o`` weights, same ``valid_lens`` meaning: (B,) or (B, Lq),
+keys at index >= valid_len are hidden. A float ``valid_lens`` (DJL passes one) counts like d2l's
+``arange < valid_len``, i.e. rounds up.
+
+One intended difference: d2l fills hidden scores with -1e6, so a query with valid_len 0 attends
+*uniformly to every key, padding included*; here it attends to nothing and its output is 0.
+
+The attention weights are not kept by default (a module that stores them keeps a (B*H, Lq, Lk) tensor
+alive). For d2l's heatmap code pass ``keep_weights=True``; then ``layer.attention.attention_weights``
+holds the last call's weights with d2l's shape (B*H, Lq, Lk).
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from ..attention import MultiHeadAttention as _CoreMHA
+from ..attention import merge_heads, split_heads
+from ..functional import AttentionOutput, attention
+from ..layouts import SharedWeights, from_shared, module_from_state
+
+__all__ = ["DotProductAttention", "MultiHeadAttention"]
+
+
+def _lens(valid_lens: Tensor | None) -> Tensor | None:
+    """d2l allows float valid_lens: ``j < 2.5`` keeps keys 0..2, so round up."""
+    if valid_lens is not None and isinstance(valid_lens, Tensor) and valid_lens.is_floating_point():
+        return valid_lens.ceil().long()
+    return valid_lens
+
+
+class DotProductAttention(nn.Module):
+    """d2l's scaled dot-product attention: queries (B, Lq, D), keys (B, Lk, D), values (B, Lk, Dv).
+
+    ``valid_lens`` (B,) or (B, Lq). With valid_lens = [2] and Lk = 3 every query sees::
+
+        1 1 0
+    """
+
+    def __init__(self, dropout: float = 0.0, *, keep_weights: bool = False) -> None:
+        super().__init__()
+        self.dropout = nn.Dropout(dropout)
+        self.keep_weights = keep_weights
+        self._weights: Tensor | None = None
+
+    @property
+    def attention_weights(self) -> Tensor:
+        """The last call's weights, (B, Lq, Lk) here or (B*H, Lq, Lk) inside ``MultiHeadAttention``."""
+        if self._weights is None:
+            raise RuntimeError(  # not AttributeError: nn.Module.__getattr__ would hide this message
+                "attention_weights are kept only on request: build the layer with keep_weights=True (or set "
+                "layer.attention.keep_weights = True) and run a forward pass"
+            )
+        return self._weights
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, valid_lens: Tensor | None) -> Tensor:
+        """Heads already split: q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv)."""
+        p = self.dropout.p if self.training else 0.0
+        res = attention(q, k, v, valid_lens=_lens(valid_lens), dropout=p, return_weights=self.keep_weights)
+        if isinstance(res, AttentionOutput):
+            self._weights = res.weights.detach().flatten(0, 1)  # (B*H, Lq, Lk), d2l's layout
+            return res.output
+        self._weights = None
+        return res
+
+    def forward(
+        self, queries: Tensor, keys: Tensor, values: Tensor, valid_lens: Tensor | None = None
+    ) -> Tensor:
+        """(B, Lq, D), (B, Lk, D), (B, Lk, Dv) -> (B, Lq, Dv)."""
+        q, k, v = (t.unsqueeze(1) for t in (queries, keys, values))  # (B, 1, L, D): one head
+        return self.attend(q, k, v, valid_lens).squeeze(1)  # (B, Lq, Dv)
+
+
+class MultiHeadAttention(nn.Module):
+    """d2l's multi-head attention: ``W_q``/``W_k``/``W_v`` project to ``num_hiddens``, split into heads.
+
+    Args:
+        key_size, query_size, value_size: input feature sizes of keys, queries and values.
+        num_hiddens: P, the projection size (D = P // num_heads per head) and the output size.
+        num_heads: H.
+        dropout: dropout on the attention weights (training mode).
+        bias: biases in the four Linear layers (d2l's default: none).
+        keep_weights: record the last weights in ``self.attention.attention_weights`` (B*H, Lq, Lk).
+
+    Forward: queries (B, Lq, query_size), keys (B, Lk, key_size), values (B, Lk, value_size),
+    valid_lens (B,) or (B, Lq) or None -> (B, Lq, num_hiddens).
+    """
+
+    def __init__(
+        self,
+        key_size: int,
+        query_size: int,
+        value_size: int,
+        num_hiddens: int,
+        num_heads: int,
+        dropout: float,
+        bias: bool = False,
+        *,
+        keep_weights: bool = False,
+    ) -> None:
+        super().__init__()
+        if num_hiddens % num_heads:
+            raise ValueError(
+                f"num_hiddens ({num_hiddens}) must be divisible by num_heads ({num_heads}): each head gets "
+                f"num_hiddens // num_heads features"
+            )
+        self.num_heads = num_heads
+        self.attention = DotProductAttention(dropout, keep_weights=keep_weights)
+        self.W_q = nn.Linear(query_size, num_hiddens, bias=bias)
+        self.W_k = nn.Linear(key_size, num_hiddens, bias=bias)
+        self.W_v = nn.Linear(value_size, num_hiddens, bias=bias)
+        self.W_o = nn.Linear(num_hiddens, num_hiddens, bias=bias)
+
+    def forward(
+        self, queries: Tensor, keys: Tensor, values: Tensor, valid_lens: Tensor | None = None
+    ) -> Tensor:
+        """(B, Lq, query_size), (B, Lk, key_size), (B, Lk, value_size) -> (B, Lq, num_hiddens)."""
+        q = split_heads(self.W_q(queries), self.num_heads)  # (B, H, Lq, D)
+        k = split_heads(self.W_k(keys), self.num_heads)  # (B, H, Lk, D)
+        v = split_heads(self.W_v(values), self.num_heads)  # (B, H, Lk, D)
+        out = self.attention.attend(q, k, v, valid_lens)  # (B, H, Lq, D)
+        return self.W_o(merge_heads(out))  # (B, Lq, P)
+
+    def to_multihead(self) -> _CoreMHA:
+        """The same layer as a :class:`multihead.MultiHeadAttention` (exact weights; mask with valid_lens=)."""
+        ws = [m.weight.detach() for m in (self.W_q, self.W_k, self.W_v, self.W_o)]
+        bs = [None if m.bias is None else m.bias.detach() for m in (self.W_q, self.W_k, self.W_v, self.W_o)]
+        state = from_shared(SharedWeights(*ws, *bs))
+        return module_from_state(state, self.num_heads).train(self.training)

@@ -1,0 +1,340 @@
+"""``MultiheadAttention``: a drop-in for ``torch.nn.MultiheadAttention`` over :func:`multihead.attention`.
+
+Dimensions: N batch, L target (query) length, S source (key) length, S' = S + 1 per ``add_bias_kv`` and
+per ``add_zero_attn``, E embed_dim, H heads, D = E // H head dim.
+
+Same constructor, same ``forward`` and returns, same ``state_dict`` keys and shapes (checkpoints load
+both ways with ``load_state_dict``). torch's mask conventions are translated here, at the boundary:
+
+===================  ==============================  =====================================
+torch argument       torch meaning                   passed to :func:`multihead.attention`
+===================  ==============================  =====================================
+bool attn_mask       ``True`` = may NOT attend       ``mask=~attn_mask``
+float attn_mask      added to the scores             ``bias=attn_mask``
+bool key_padding     ``True`` = padding              ``mask=~kpm[:, None, None, :]``
+float key_padding    added to the scores             ``bias=kpm[:, None, None, :]``
+is_causal            hint that attn_mask is causal   top-left causal mask (see ``forward``)
+===================  ==============================  =====================================
+
+The one intended difference: a query row that may attend to no key gets output 0 and weights 0 here,
+where torch returns NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import _inspect
+from ..attention import MultiHeadAttention as _CoreMHA
+from ..attention import merge_heads
+from ..functional import AttentionOutput, attention
+from ..masks import combine
+
+__all__ = ["IsCausalError", "MultiheadAttention"]
+
+
+class IsCausalError(ValueError, RuntimeError):
+    """``is_causal=True`` without ``attn_mask`` (torch raises ``RuntimeError`` here; this is both)."""
+
+
+def _keep_and_bias(m: Tensor | None, name: str) -> tuple[Tensor | None, Tensor | None]:
+    """A torch-style mask to (keep, bias): bool ``True`` = masked out becomes keep ``False``."""
+    if m is None:
+        return None, None
+    if not isinstance(m, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor (bool or float) or None, got {type(m).__name__}")
+    if m.dtype == torch.bool:
+        return ~m, None
+    if m.is_floating_point():
+        return None, m
+    raise TypeError(
+        f"{name} must be bool (True = masked out) or floating point (added to the scores), got dtype "
+        f"{m.dtype}; convert with `{name}.bool()`"
+    )
+
+
+def _pad_keys(keep: Tensor | None, bias: Tensor | None, extra: int) -> tuple[Tensor | None, Tensor | None]:
+    """Append ``extra`` always-allowed key columns (for bias_k/bias_v and add_zero_attn)."""
+    if extra == 0:
+        return keep, bias
+    if keep is not None:
+        keep = F.pad(keep, (0, extra), value=True)  # (..., S')
+    if bias is not None:
+        bias = F.pad(bias, (0, extra), value=0.0)  # (..., S')
+    return keep, bias
+
+
+class MultiheadAttention(_CoreMHA):
+    """Drop-in for ``torch.nn.MultiheadAttention`` (same arguments, returns and ``state_dict``).
+
+    Args:
+        embed_dim: E, which ``num_heads`` must divide.
+        num_heads: H.
+        dropout: dropout on the attention weights (training mode only).
+        bias: biases on the input and output projections.
+        add_bias_kv: learn one extra key and value, ``bias_k``/``bias_v`` (1, 1, E), appended to the keys.
+        add_zero_attn: append a zero key and value after the projections.
+        kdim, vdim: key/value feature sizes (default E).
+        batch_first: inputs and outputs are (N, L, E) instead of (L, N, E).
+        device, dtype: factory arguments.
+
+    Forward (batched, ``batch_first=False``): query (L, N, E), key (S, N, kdim), value (S, N, vdim);
+    unbatched: (L, E), (S, kdim), (S, vdim). Returns ``(attn_output, attn_weights)``: (L, N, E) and, with
+    ``need_weights``, (N, L, S') averaged over heads or (N, H, L, S') per head; else ``None``.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        add_bias_kv: bool = False,
+        add_zero_attn: bool = False,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        batch_first: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if (
+            isinstance(embed_dim, int)
+            and isinstance(num_heads, int)
+            and num_heads > 0
+            and embed_dim % num_heads
+        ):
+            raise ValueError(
+                f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads}), as in "
+                f"torch.nn.MultiheadAttention; multihead.MultiHeadAttention(head_dim=...) lifts this limit"
+            )
+        super().__init__(
+            embed_dim, num_heads, kdim=kdim, vdim=vdim, bias=bias, dropout=dropout, device=device, dtype=dtype
+        )
+        self.batch_first = bool(batch_first)
+        self.add_zero_attn = bool(add_zero_attn)
+        self.bias_k: Tensor | None = None  # torch keeps these plain None attributes without add_bias_kv
+        self.bias_v: Tensor | None = None
+        if add_bias_kv:
+            self.bias_k = nn.Parameter(torch.empty(1, 1, embed_dim, device=device, dtype=dtype))
+            self.bias_v = nn.Parameter(torch.empty(1, 1, embed_dim, device=device, dtype=dtype))
+            nn.init.xavier_normal_(self.bias_k)
+            nn.init.xavier_normal_(self.bias_v)
+
+    def reset_parameters(self) -> None:
+        """torch's initialisation: Xavier-uniform projections, zero biases, Xavier-normal bias_k/bias_v."""
+        super().reset_parameters()
+        for p in (getattr(self, "bias_k", None), getattr(self, "bias_v", None)):
+            if p is not None:
+                nn.init.xavier_normal_(p)
+
+    def extra_repr(self) -> str:
+        flags = [f"batch_first={self.batch_first}"]
+        if self.bias_k is not None:
+            flags.append("add_bias_kv=True")
+        if self.add_zero_attn:
+            flags.append("add_zero_attn=True")
+        return super().extra_repr() + ", " + ", ".join(flags)
+
+    # ------------------------------------------------------------------------------------------
+
+    def _check_forward(
+        self, query: Tensor, key: Tensor, value: Tensor, kpm: Tensor | None, attn_mask: Tensor | None
+    ) -> bool:
+        """Validate ranks like torch's ``_mha_shape_check``; return whether the call is batched."""
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if query.dim() not in (2, 3):
+            raise ValueError(
+                f"query must be 3-D (batched) or 2-D (unbatched), got shape {tuple(query.shape)}"
+            )
+        batched = query.dim() == 3
+        if key.dim() != query.dim() or value.dim() != query.dim():
+            raise ValueError(
+                f"key and value must have the same rank as query ({query.dim()}-D), got key "
+                f"{tuple(key.shape)} and value {tuple(value.shape)}"
+            )
+        if kpm is not None and kpm.dim() != (2 if batched else 1):
+            want = "(N, S)" if batched else "(S,)"
+            raise ValueError(f"key_padding_mask must have shape {want}, got {tuple(kpm.shape)}")
+        if attn_mask is not None and attn_mask.dim() not in (2, 3):
+            raise ValueError(
+                f"attn_mask must be 2-D (L, S) or 3-D (N*num_heads, L, S), got shape {tuple(attn_mask.shape)}"
+            )
+        return batched
+
+    def _masks(
+        self,
+        key_padding_mask: Tensor | None,
+        attn_mask: Tensor | None,
+        is_causal: bool,
+        need_weights: bool,
+        n: int,
+        lq: int,
+        lk: int,
+        extra: int,
+        device: torch.device,
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """torch's masks to (keep (N|1, H|1, L, S'), bias) in the library's convention."""
+        if is_causal and attn_mask is None:
+            raise IsCausalError(
+                "is_causal=True needs attn_mask (torch's rule: is_causal is a hint that attn_mask is the "
+                "causal mask); pass attn_mask=nn.Transformer.generate_square_subsequent_mask(L)"
+            )
+        kpm_keep, kpm_bias = _keep_and_bias(key_padding_mask, "key_padding_mask")
+        if is_causal and key_padding_mask is None and not need_weights:
+            # torch hands is_causal to SDPA and drops attn_mask: a top-left causal mask over all S' keys.
+            return torch.ones(lq, lk + extra, dtype=torch.bool, device=device).tril(), None  # (L, S')
+        am_keep, am_bias = _keep_and_bias(attn_mask, "attn_mask")
+        am = attn_mask
+        if am is not None:
+            want = (lq, lk) if am.dim() == 2 else (n * self.num_heads, lq, lk)
+            if tuple(am.shape) != want:
+                raise ValueError(
+                    f"attn_mask of {am.dim()}-D must have shape {want} ((L, S) or (N*num_heads, L, S)), "
+                    f"got {tuple(am.shape)}"
+                )
+            if am.dim() == 3:  # (N*H, L, S) -> (N, H, L, S), row n*H + h is batch n, head h
+                am_keep = None if am_keep is None else am_keep.view(n, self.num_heads, lq, lk)
+                am_bias = None if am_bias is None else am_bias.view(n, self.num_heads, lq, lk)
+        if key_padding_mask is not None:
+            if tuple(key_padding_mask.shape) != (n, lk):
+                raise ValueError(
+                    f"key_padding_mask must have shape (N, S) = {(n, lk)}, got {tuple(key_padding_mask.shape)}"
+                )
+            kpm_keep = None if kpm_keep is None else kpm_keep[:, None, None, :]  # (N, 1, 1, S)
+            kpm_bias = None if kpm_bias is None else kpm_bias[:, None, None, :]  # (N, 1, 1, S)
+        keep = combine(am_keep, kpm_keep)
+        bias = am_bias if kpm_bias is None else (kpm_bias if am_bias is None else am_bias + kpm_bias)
+        return _pad_keys(keep, bias, extra)
+
+    def forward(  # type: ignore[override]
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """torch.nn.MultiheadAttention.forward, with the same arguments and returns.
+
+        Masks (torch's meaning): ``key_padding_mask`` (N, S) [unbatched (S,)], bool ``True`` = ignore
+        this key, or float added to the scores; ``attn_mask`` (L, S) or (N*num_heads, L, S) [unbatched
+        (num_heads, L, S)], bool ``True`` = may not attend, or float added. With L = S = 3, a bool causal
+        ``attn_mask`` is::
+
+            0 1 1
+            0 0 1
+            0 0 0
+
+        ``is_causal=True`` requires ``attn_mask`` (as in torch). Like torch, when no
+        ``key_padding_mask`` is given and ``need_weights=False`` it replaces ``attn_mask`` by a top-left
+        causal mask; otherwise ``attn_mask`` is used as given.
+
+        Returns ``(attn_output, attn_weights)``; weights with ``need_weights`` only (in training mode with
+        dropout > 0 they are the dropped-out weights, as in torch). Rows with no allowed key: zeros.
+        """
+        batched = self._check_forward(query, key, value, key_padding_mask, attn_mask)
+        same_k, same_v = key is query, value is key
+        if batched and not self.batch_first:  # (L, N, E) -> (N, L, E), keeping `is` for the fused path
+            query = query.transpose(0, 1)
+            key = query if same_k else key.transpose(0, 1)
+            value = key if same_v else value.transpose(0, 1)
+        elif not batched:  # (L, E) -> (1, L, E)
+            query = query.unsqueeze(0)
+            key = query if same_k else key.unsqueeze(0)
+            value = key if same_v else value.unsqueeze(0)
+            key_padding_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(0)  # (1, S)
+        self._check_inputs(query, key, value)
+        n, lq, lk = query.shape[0], query.shape[1], key.shape[1]
+        extra = int(self.bias_k is not None) + int(self.add_zero_attn)
+        keep, bias = self._masks(
+            key_padding_mask, attn_mask, is_causal, need_weights, n, lq, lk, extra, query.device
+        )
+
+        q, k, v = self.project(query, key, value)  # (N, H, L, D), (N, H, S, D), (N, H, S, D)
+        if self.bias_k is not None and self.bias_v is not None:
+            heads = (n, self.num_heads, 1, self.head_dim)
+            k = torch.cat(
+                [k, self.bias_k.view(1, self.num_heads, 1, -1).expand(heads)], dim=2
+            )  # (N, H, S+1, D)
+            v = torch.cat(
+                [v, self.bias_v.view(1, self.num_heads, 1, -1).expand(heads)], dim=2
+            )  # (N, H, S+1, D)
+        if self.add_zero_attn:
+            k = F.pad(k, (0, 0, 0, 1))  # (N, H, S', D)
+            v = F.pad(v, (0, 0, 0, 1))  # (N, H, S', D)
+
+        p = self.dropout if self.training else 0.0
+        inspector = _inspect.current()
+        want = need_weights or (inspector is not None and inspector.wants_weights)
+        if want and p > 0:  # torch returns the dropped-out weights and multiplies them by v
+            weights = attention(q, k, v, mask=keep, bias=bias, return_weights=True).weights
+            weights = F.dropout(weights, p=p)  # (N, H, L, S')
+            out_heads: Tensor = torch.matmul(weights, v)  # (N, H, L, D)
+        else:
+            res = attention(
+                q, k, v, mask=keep, bias=bias, dropout=p, return_weights=want, backend=self.backend
+            )
+            out_heads, weights = res if isinstance(res, AttentionOutput) else (res, None)
+        if inspector is not None:
+            out_heads = inspector.on_heads(self, out_heads, weights)
+        out = self.out_proj(merge_heads(out_heads))  # (N, L, E)
+
+        if not batched:
+            out = out.squeeze(0)  # (L, E)
+        elif not self.batch_first:
+            out = out.transpose(0, 1)  # (L, N, E)
+        if not need_weights or weights is None:
+            return out, None
+        if average_attn_weights:
+            weights = weights.mean(dim=1)  # (N, L, S')
+        return out, (weights if batched else weights.squeeze(0))
+
+    # ------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_torch(cls, m: nn.MultiheadAttention) -> MultiheadAttention:  # type: ignore[override]
+        """A drop-in copy of ``m``: same flags (batch_first, add_bias_kv, ...) and exact weights."""
+        if not isinstance(m, nn.MultiheadAttention):
+            raise TypeError(f"from_torch expects a torch.nn.MultiheadAttention, got {type(m).__name__}")
+        ref = m.out_proj.weight
+        new = cls(
+            m.embed_dim,
+            m.num_heads,
+            dropout=m.dropout,
+            bias=m.in_proj_bias is not None,
+            add_bias_kv=m.bias_k is not None,
+            add_zero_attn=m.add_zero_attn,
+            kdim=m.kdim,
+            vdim=m.vdim,
+            batch_first=m.batch_first,
+            device=ref.device,
+            dtype=ref.dtype,
+        )
+        new.load_state_dict(m.state_dict(), strict=True)
+        return new.train(m.training)
+
+    def to_torch(self) -> nn.MultiheadAttention:
+        """A ``torch.nn.MultiheadAttention`` with the same flags and exact weights."""
+        ref = self.out_proj.weight
+        m = nn.MultiheadAttention(
+            self.embed_dim,
+            self.num_heads,
+            dropout=self.dropout,
+            bias=self.in_proj_bias is not None,
+            add_bias_kv=self.bias_k is not None,
+            add_zero_attn=self.add_zero_attn,
+            kdim=self.kdim,
+            vdim=self.vdim,
+            batch_first=self.batch_first,
+            device=ref.device,
+            dtype=ref.dtype,
+        )
+        m.load_state_dict(self.state_dict(), strict=True)
+        return m.train(self.training)

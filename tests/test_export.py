@@ -1,0 +1,63 @@
+"""ONNX export: the file runs in onnxruntime with new batch sizes and lengths and matches eager to 1e-5."""
+
+import argparse
+
+import pytest
+import torch
+
+import multihead as mh
+from multihead import cli, export
+
+ort = pytest.importorskip("onnxruntime")  # the optional extra multihead[onnx]; installed by requirements-dev
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::DeprecationWarning", "ignore::UserWarning", "ignore::FutureWarning"
+)
+
+
+def _cli_args(**over):
+    p = argparse.ArgumentParser()
+    export.add_cli(p.add_subparsers(dest="command"))
+    argv = ["export", "--embed-dim", "16", "--heads", "2", "--seed", "3"]
+    for k, v in over.items():
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    return argv, p.parse_args(argv)
+
+
+def test_cli_export_then_onnxruntime_matches_eager_on_new_shapes(tmp_path, capsys):
+    out = tmp_path / "mha.onnx"
+    argv, args = _cli_args(out=out)
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "['batch', 'len0', 16]" in printed and "OK" in printed
+    module, _, _ = export._example(args)  # same seed -> same weights
+    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    assert [i.name for i in session.get_inputs()] == ["query", "key", "valid_lens"]
+    g = torch.Generator().manual_seed(1)
+    for b, lq, lk in ((3, 4, 9), (1, 6, 2)):
+        q, kv = torch.randn(b, lq, 16, generator=g), torch.randn(b, lk, 16, generator=g)
+        lens = torch.arange(b) % (lk + 1)  # includes 0: a query row with no key -> zeros, also in ONNX
+        with torch.no_grad():
+            eager = module(q, kv, valid_lens=lens)
+        (got,) = session.run(None, {"query": q.numpy(), "key": kv.numpy(), "valid_lens": lens.numpy()})
+        assert got.shape == (b, lq, 16)
+        torch.testing.assert_close(torch.from_numpy(got), eager, atol=1e-5, rtol=1e-5)
+
+
+def test_to_onnx_self_attention_has_dynamic_axes(tmp_path):
+    torch.manual_seed(0)
+    mha = mh.MultiHeadAttention(12, 3).eval()
+    report = export.to_onnx(mha, torch.randn(2, 5, 12), tmp_path / "self.onnx")
+    assert report.inputs == {"query": ["batch", "len0", 12]}
+    assert report.max_error is not None and report.max_error <= 1e-5
+    assert [s[:2] for s in report.shapes] == [[2, 5], [3, 7], [4, 10]]
+
+
+def test_to_onnx_rejects_non_tensor_inputs(tmp_path):
+    with pytest.raises(TypeError, match="example_input"):
+        export.to_onnx(mh.MultiHeadAttention(8, 2), [[1.0]], tmp_path / "x.onnx")
+
+
+@pytest.mark.skipif(not hasattr(mh, "Transformer"), reason="multihead.Transformer is not in this version yet")
+def test_cli_exports_the_transformer(tmp_path):
+    argv, _ = _cli_args(out=tmp_path / "t.onnx", model="transformer")
+    assert cli.main(argv) == 0

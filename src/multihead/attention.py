@@ -20,7 +20,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import _inspect
+from .cache import KVCache
 from .functional import AttentionOutput, attention, check_dropout
+from .rotary import RotaryEmbedding
 
 __all__ = ["MultiHeadAttention"]
 
@@ -54,6 +56,9 @@ class MultiHeadAttention(nn.Module):
         out_dim: O, output features (default E).
         bias: biases on the input and output projections.
         dropout: dropout on the attention weights, in training mode only.
+        rotary: rotary position embeddings (:class:`~multihead.rotary.RotaryEmbedding`) on queries and
+            keys; positions are bottom-right aligned like ``causal`` and continue a ``cache``. Needs an
+            even head_dim; adds no parameters.
         device, dtype: factory arguments for the parameters.
 
     Forward: ``query`` (B, Lq, E) [or unbatched (Lq, E)], ``key`` (B, Lk, kdim), ``value`` (B, Lk, vdim);
@@ -61,6 +66,11 @@ class MultiHeadAttention(nn.Module):
     ``mask`` bool (True = may attend) broadcastable to (B, H, Lq, Lk), ``bias`` float, ``valid_lens``
     (B,) or (B, Lq), ``causal`` bottom-right aligned. Returns (B, Lq, O), or
     ``AttentionOutput(output, weights (B, H, Lq, Lk))`` with ``return_weights=True``.
+
+    ``cache`` (a :class:`~multihead.KVCache`) enables incremental decoding: a dynamic cache appends
+    this call's keys/values and attends to all of them (use ``causal=True``: bottom-right aligned, the
+    new queries see every earlier key); a filled static cache (cross-attention) is reused as is and the
+    key/value projection is skipped.
 
     ``backend`` (attribute, default ``"auto"``) is passed to :func:`multihead.attention`.
     """
@@ -78,6 +88,7 @@ class MultiHeadAttention(nn.Module):
         out_dim: int | None = None,
         bias: bool = True,
         dropout: float = 0.0,
+        rotary: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -103,6 +114,7 @@ class MultiHeadAttention(nn.Module):
         self.out_dim = _positive_int("out_dim", embed_dim if out_dim is None else out_dim)
         self.dropout = check_dropout(dropout)
         self.backend = "auto"
+        self.rotary = RotaryEmbedding(self.head_dim) if rotary else None
 
         nq, nk, nv = self._proj_sizes()
         self._qkv_same_embed_dim = self.kdim == self.embed_dim and self.vdim == self.embed_dim
@@ -160,6 +172,8 @@ class MultiHeadAttention(nn.Module):
             parts.append("bias=False")
         if self.dropout:
             parts.append(f"dropout={self.dropout}")
+        if self.rotary is not None:
+            parts.append("rotary=True")
         return ", ".join(parts)
 
     # ------------------------------------------------------------------------------------------
@@ -249,8 +263,8 @@ class MultiHeadAttention(nn.Module):
         return_weights: bool = False,
     ) -> Tensor | AttentionOutput:
         """Attend ``query`` (B, Lq, E) to ``key``/``value`` (B, Lk, *); see the class docstring."""
-        if cache is not None:
-            raise NotImplementedError("KV-cache decoding arrives with the Transformer (multihead.KVCache)")
+        if cache is not None and not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a multihead.KVCache, got {type(cache).__name__}")
         key = query if key is None else key
         value = key if value is None else value
         unbatched = isinstance(query, Tensor) and query.dim() == 2
@@ -260,8 +274,12 @@ class MultiHeadAttention(nn.Module):
             key = query if same_k else key.unsqueeze(0)
             value = key if same_v else value.unsqueeze(0)
         self._check_inputs(query, key, value)
+        if cache is not None and cache.static and cache.keys is not None:  # K/V of this source are cached
+            key, value = key[:, :0], value[:, :0]  # (B, 0, kdim), (B, 0, vdim): nothing left to project
 
         q, k, v = self.project(query, key, value)  # (B, H, Lq, Dk), (B, Hkv, Lk, Dk), (B, Hkv, Lk, Dv)
+        if cache is not None or self.rotary is not None:
+            q, k, v = self._rotate_and_cache(q, k, v, cache)
         inspector = _inspect.current()
         res = attention(
             q,
@@ -284,6 +302,26 @@ class MultiHeadAttention(nn.Module):
             out = out.squeeze(0)
             weights = None if weights is None else weights.squeeze(0)
         return AttentionOutput(out, weights) if weights is not None else out
+
+    def _rotate_and_cache(
+        self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache | None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Rotary positions and the KV cache, between projection and attention.
+
+        New keys rotate by their absolute positions (after the L cached ones) before they are cached;
+        queries rotate by bottom-right aligned positions ``Lk - Lq + i``, the rule ``causal`` uses.
+        Returns q (B, H, Lq, Dk), k (B, Hkv, Lk, Dk), v (B, Hkv, Lk, Dv) with Lk counting the cache.
+        """
+        if cache is not None and cache.static and cache.keys is not None:
+            k, v = cache.keys, cache.values  # (B, Hkv, Lk, Dk), (B, Hkv, Lk, Dv), rotated when stored
+        else:
+            if self.rotary is not None:
+                k = self.rotary(k, offset=0 if cache is None else len(cache))  # (B, Hkv, Lnew, Dk)
+            if cache is not None:
+                k, v = cache.update(k, v)  # (B, Hkv, L + Lnew, Dk), (B, Hkv, L + Lnew, Dv)
+        if self.rotary is not None:
+            q = self.rotary(q, offset=k.shape[2] - q.shape[2])  # (B, H, Lq, Dk)
+        return q, k, v
 
     # ------------------------------------------------------------------------------------------
     # torch.nn.MultiheadAttention interop
@@ -335,6 +373,8 @@ class MultiHeadAttention(nn.Module):
             problems.append(f"v_head_dim={self.v_head_dim} != head_dim={self.head_dim}")
         if self.out_dim != self.embed_dim:
             problems.append(f"out_dim={self.out_dim} != embed_dim={self.embed_dim}")
+        if self.rotary is not None:
+            problems.append("rotary=True (torch has no rotary embeddings)")
         if problems:
             raise ValueError("torch.nn.MultiheadAttention cannot express this module: " + "; ".join(problems))
         ref = self.out_proj.weight

@@ -331,15 +331,23 @@ class Panel:
 
 
 def panels(
-    cap: Capture, source_tokens: Sequence[str], target_tokens: Sequence[str], *, index: int = 0
+    cap: Capture,
+    source_tokens: Sequence[str],
+    target_tokens: Sequence[str],
+    *,
+    index: int = 0,
+    target_inputs: Sequence[str] | None = None,
 ) -> list[Panel]:
     """Example ``index`` of a capture as report panels, labelled by kind and cropped to the tokens given.
 
     Encoder self-attention (and plain ``"self"``) gets source x source labels, decoder self-attention
-    target x target, cross-attention target (queries) x source (keys).
+    target x ``target_inputs``, cross-attention target (queries) x source (keys). When decoding, label
+    the query rows by the token each step produced and pass the decoder's inputs (``<bos>`` first) as
+    ``target_inputs``, the keys of its self-attention; by default they are ``target_tokens``.
     """
     src, tgt = [str(t) for t in source_tokens], [str(t) for t in target_tokens]
-    labels = {"encoder self": (src, src), "self": (src, src), "decoder self": (tgt, tgt), "cross": (tgt, src)}
+    tin = tgt if target_inputs is None else [str(t) for t in target_inputs]
+    labels = {"encoder self": (src, src), "self": (src, src), "decoder self": (tgt, tin), "cross": (tgt, src)}
     out = []
     for name in cap.names():
         kind = cap.kind(name)

@@ -1,0 +1,55 @@
+"""A small dependency-free progress bar for the demo's long loops."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+
+class Progress:
+    """``[#####.....]  50%  500/1000  loss 0.123  12.3s``, redrawn in place on a terminal.
+
+    On a terminal the line is redrawn at most 10 times a second; elsewhere (a log file, a test)
+    only the final line is written, once, by :meth:`close`. Use as a context manager::
+
+        with Progress(1000, "train") as bar:
+            for step in range(1000):
+                bar.update(1, loss=f"{loss:.3f}")
+    """
+
+    def __init__(self, total: int, desc: str, *, file: TextIO | None = None, width: int = 28) -> None:
+        self.total, self.desc, self.width = max(1, int(total)), desc, width
+        self.file = sys.stderr if file is None else file
+        self.tty = bool(getattr(self.file, "isatty", lambda: False)())
+        self.done, self.info, self.start, self.last = 0, "", time.perf_counter(), 0.0
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def line(self) -> str:
+        """The bar as text."""
+        frac = min(1.0, self.done / self.total)
+        fill = int(frac * self.width)
+        bar = "#" * fill + "." * (self.width - fill)
+        secs = time.perf_counter() - self.start
+        return f"{self.desc:<10} [{bar}] {frac:4.0%} {self.done}/{self.total} {self.info} {secs:.1f}s"
+
+    def update(self, n: int = 1, **info: object) -> None:
+        """Advance by ``n`` and show ``info`` (``key value`` pairs) next to the bar."""
+        self.done += n
+        if info:
+            self.info = "  ".join(f"{k} {v}" for k, v in info.items())
+        now = time.perf_counter()
+        if self.tty and (now - self.last > 0.1 or self.done >= self.total):
+            self.last = now
+            self.file.write("\r" + self.line())
+            self.file.flush()
+
+    def close(self) -> None:
+        """Write the final line and a newline."""
+        self.file.write(("\r" if self.tty else "") + self.line() + "\n")
+        self.file.flush()

@@ -1,0 +1,416 @@
+"""The end-to-end demo behind ``multihead demo``: train, decode, look inside the heads, prune, compare.
+
+Dimensions: B batch, S source length, T target length, V target vocabulary, H heads.
+
+1. data: the date-normalisation task generated in-process (or ``--data FILE.tsv``), split by date;
+2. train a small encoder-decoder :class:`~multihead.Transformer` with a progress bar;
+3. evaluate exact match on held-out examples with greedy KV-cache decoding (:meth:`Transformer.generate`);
+4. capture the attention of a few decoded examples (:func:`multihead.viz.capture`) and plot it;
+5. score the heads (:func:`multihead.heads.importance`, :func:`~multihead.heads.masking_drop`);
+6. prune as many heads as keep dev accuracy within the budget (:func:`~multihead.heads.prune_iteratively`);
+7. save both models, reload the pruned one (:func:`~multihead.heads.load_pruned`), print the table,
+   and write the HTML report.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import heads, viz
+from ..transformer import Transformer
+from .data import BOS, EOS, PAD, Dataset, Split, date_pairs, make_dataset
+from .progress import Progress
+
+__all__ = ["DemoConfig", "exact_match", "run"]
+
+
+@dataclass
+class DemoConfig:
+    """Everything the demo's numbers depend on (the defaults are the README's run)."""
+
+    seed: int = 0
+    data: str | None = None  # a TSV file of source<TAB>target pairs instead of the date task
+    d_model: int = 64
+    num_heads: int = 4
+    layers: int = 2  # encoder layers = decoder layers
+    d_ff: int = 128
+    dropout: float = 0.0
+    steps: int = 1200
+    batch_size: int = 128
+    lr: float = 3e-3
+    warmup: int = 100
+    train_size: int = 20000
+    dev_size: int = 1000
+    test_size: int = 1000
+    curve_points: int = 6  # dev accuracy checks during training (for the curve)
+    prune_step: float = 0.1  # fraction of all heads per pruning step
+    prune_budget: float = 1.0  # accuracy points the pruned model may lose (on dev)
+    drop_size: int = 500  # dev examples per masking-drop evaluation
+    speed_repeats: int = 3
+    report_examples: int = 3
+
+
+def build_model(cfg: DemoConfig, ds: Dataset) -> Transformer:
+    """The demo's Transformer for ``ds``'s vocabularies (post-norm, as in the paper)."""
+    return Transformer(
+        len(ds.src_vocab),
+        len(ds.tgt_vocab),
+        d_model=cfg.d_model,
+        num_heads=cfg.num_heads,
+        num_encoder_layers=cfg.layers,
+        num_decoder_layers=cfg.layers,
+        d_ff=cfg.d_ff,
+        dropout=cfg.dropout,
+        max_len=512,
+        pad_id=PAD,
+    )
+
+
+def count_params(model: nn.Module) -> int:
+    """Parameters (shared ones once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def teacher_loss(model: nn.Module, batch: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+    """Teacher-forced cross-entropy, mean over the batch's real target tokens."""
+    src, tgt_in, tgt_out = batch  # (B, S), (B, T), (B, T)
+    logits = model(src, tgt_in)  # (B, T, V)
+    return F.cross_entropy(logits.flatten(0, 1), tgt_out.flatten(), ignore_index=PAD)  # (B*T, V) vs (B*T,)
+
+
+def _predict(model: Transformer, split: Split, max_len: int, batch: int = 500) -> list[Tensor]:
+    out = []
+    for src, _, _ in split.batches(batch):
+        out.append(model.generate(src, bos_id=BOS, eos_id=EOS, max_len=max_len))  # (B, T')
+    return out
+
+
+def _until_eos(row: list[int]) -> list[int]:
+    return row[: row.index(EOS) + 1] if EOS in row else row
+
+
+def exact_match(model: Transformer, split: Split, max_len: int, *, limit: int | None = None) -> float:
+    """Percentage of ``split`` (its first ``limit`` examples) whose greedy decoding equals the target.
+
+    A prediction must reproduce every target token *and* the end token.
+    """
+    part = split if limit is None or limit >= len(split) else _head(split, limit)
+    hits = 0
+    for pred, (_, _, tgt_out) in zip(_predict(model, part, max_len), part.batches(500)):
+        for p, g in zip(pred.tolist(), tgt_out.tolist()):
+            hits += _until_eos(p) == _until_eos(g)
+    return 100.0 * hits / max(1, len(part))
+
+
+def _head(split: Split, n: int) -> Split:
+    return Split(split.pairs[:n], split.src[:n], split.tgt_in[:n], split.tgt_out[:n])
+
+
+def decode_speed(model: Transformer, split: Split, max_len: int, repeats: int) -> float:
+    """Greedy KV-cache decoding throughput on ``split``, sentences per second (best of ``repeats``)."""
+    best = math.inf
+    for _ in range(max(1, repeats)):
+        start = time.perf_counter()
+        _predict(model, split, max_len, batch=250)
+        best = min(best, time.perf_counter() - start)
+    return len(split) / best
+
+
+# ------------------------------------------------------------------------------------------------
+# Training
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainLog:
+    losses: list[float] = field(default_factory=list)
+    curve: list[tuple[int, float]] = field(default_factory=list)  # (step, dev exact match %)
+    seconds: float = 0.0
+
+
+def train(model: Transformer, ds: Dataset, cfg: DemoConfig, max_len: int) -> TrainLog:
+    """AdamW with linear warm-up and cosine decay; batches drawn without replacement, epoch by epoch."""
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.01)
+
+    def lr_at(step: int) -> float:
+        if step < cfg.warmup:
+            return (step + 1) / cfg.warmup
+        t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+        return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * t))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    log, order, pos = TrainLog(), torch.empty(0, dtype=torch.long), 0
+    checks = {round(cfg.steps * (i + 1) / cfg.curve_points) for i in range(cfg.curve_points)}
+    start = time.perf_counter()
+    with Progress(cfg.steps, "train") as bar:
+        for step in range(1, cfg.steps + 1):
+            if pos + cfg.batch_size > len(order):
+                order, pos = torch.randperm(len(ds.train), generator=gen), 0
+            idx = order[pos : pos + cfg.batch_size]
+            pos += cfg.batch_size
+            src, ti, to = ds.train.src[idx], ds.train.tgt_in[idx], ds.train.tgt_out[idx]
+            s, t = int((src != PAD).sum(1).max()), int((to != PAD).sum(1).max())
+            model.train()
+            loss = teacher_loss(model, (src[:, :s], ti[:, :t], to[:, :t]))  # trailing padding trimmed
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            log.losses.append(float(loss))
+            info = {"loss": f"{float(loss):.4f}"}
+            if step in checks:
+                log.curve.append((step, exact_match(model, ds.dev, max_len, limit=300)))
+                info["dev"] = f"{log.curve[-1][1]:.1f}%"
+            bar.update(1, **info)
+    log.seconds = time.perf_counter() - start
+    return log
+
+
+def plot_training(log: TrainLog, path: Path) -> object:
+    """Loss per step (log scale) and dev exact match at the checkpoints, to ``path`` (PNG)."""
+    fig = viz._figure(figsize=(7, 3.2), layout="constrained")
+    ax = fig.subplots()
+    ax.plot(range(1, len(log.losses) + 1), log.losses, lw=0.8, color="tab:blue")
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (cross-entropy)", color="tab:blue")
+    if log.curve:
+        acc = ax.twinx()
+        acc.plot(*zip(*log.curve), "o-", color="tab:orange")
+        acc.set_ylabel("dev exact match (%)", color="tab:orange")
+        acc.set_ylim(0, 100)
+    ax.set_title(f"training ({len(log.losses)} steps, {log.seconds:.0f} s)")
+    fig.savefig(path, dpi=100, metadata={"Software": None})
+    return fig
+
+
+# ------------------------------------------------------------------------------------------------
+# Looking inside
+# ------------------------------------------------------------------------------------------------
+
+
+def report_pairs(cfg: DemoConfig, ds: Dataset) -> list[tuple[str, str]]:
+    """Examples for the attention pictures: three date styles (long, dd/mm/yy, ordinal) or the first tests."""
+    if cfg.data is None:
+        rng = random.Random(cfg.seed + 1)
+        styles = [0, 1, 4, 3, 5, 2, 6, 7][: cfg.report_examples]
+        return [date_pairs(1, rng, held_out=True, styles=[s])[0] for s in styles]
+    return ds.test.pairs[: cfg.report_examples]
+
+
+def look_inside(
+    model: Transformer, ds: Dataset, pairs: list[tuple[str, str]], max_len: int
+) -> dict[str, list[viz.Panel]]:
+    """Decode ``pairs`` with the KV cache while capturing every head: ``{label: report panels}``."""
+    split = ds.split(pairs)
+    with viz.capture(model) as cap:
+        pred = model.generate(split.src, bos_id=BOS, eos_id=EOS, max_len=max_len)  # (B, T')
+    examples = {}
+    for i, (source, target) in enumerate(pairs):
+        src_tokens = ds.src_vocab.decode(split.src[i].tolist())
+        out = ds.tgt_vocab.decode(pred[i].tolist())
+        produced = [*out, "<eos>"][: pred.shape[1]]  # the token each decoding step produced
+        guess = ds.tgt_join.join(out)
+        mark = "ok" if guess == ds.tgt_join.join(ds.tgt_tokenize(target)) else f"expected {target}"
+        label = f"{source}  ->  {guess}  ({mark})"
+        examples[label] = viz.panels(
+            cap, src_tokens, produced, index=i, target_inputs=["<bos>", *produced[:-1]]
+        )
+    return examples
+
+
+# ------------------------------------------------------------------------------------------------
+# The demo
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    """One model in the before/after table."""
+
+    model: str
+    heads: int
+    params: int
+    dev: float
+    test: float
+    speed: float
+
+
+def _table(rows: list[Row]) -> list[list[str]]:
+    out = [["model", "heads", "parameters", "dev exact match", "test exact match", "decode speed"]]
+    for r in rows:
+        out.append(
+            [
+                r.model,
+                str(r.heads),
+                f"{r.params:,}",
+                f"{r.dev:.1f}%",
+                f"{r.test:.1f}%",
+                f"{r.speed:,.0f} sentences/s",
+            ]
+        )
+    return out
+
+
+def _markdown(rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows[1:]])
+
+
+def _text_table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
+
+
+def run(cfg: DemoConfig, out: str | Path, *, echo: Callable[[str], None] = print) -> dict[str, object]:
+    """Run the whole demo, writing its artefacts under ``out``; returns the numbers it printed.
+
+    Artefacts: ``training.png``, ``attention_cross.png``, ``attention_encoder.png``,
+    ``attention_decoder.png``, ``importance.png``, ``masking_drop.png``, ``report.html``,
+    ``results.md``, ``model.pt``, ``model_pruned.pt`` and ``config.json``.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    ds = make_dataset(cfg.seed, train=cfg.train_size, dev=cfg.dev_size, test=cfg.test_size, data=cfg.data)
+    max_len = ds.max_target_len + 2
+    echo(
+        f"data: {ds.name}: {len(ds.train)} train / {len(ds.dev)} dev / {len(ds.test)} test pairs "
+        f"(held-out dates), vocab {len(ds.src_vocab)} -> {len(ds.tgt_vocab)}; e.g. "
+        + "; ".join(f"{s!r} -> {t!r}" for s, t in ds.train.pairs[:3])
+    )
+    model = build_model(cfg, ds)
+    n_heads = sum(heads.head_counts(model).values())
+    echo(
+        f"model: Transformer d_model={cfg.d_model}, {cfg.num_heads} heads, {cfg.layers}+{cfg.layers} layers, "
+        f"d_ff={cfg.d_ff}: {count_params(model):,} parameters, {n_heads} attention heads"
+    )
+    log = train(model, ds, cfg, max_len)
+    model.eval()
+    plot_training(log, out / "training.png")
+
+    # -- decode with the KV cache and evaluate --------------------------------------------------
+    full = Row("full", n_heads, count_params(model), exact_match(model, ds.dev, max_len), 0.0, 0.0)
+    full.test = exact_match(model, ds.test, max_len)
+    full.speed = decode_speed(model, ds.test, max_len, cfg.speed_repeats)
+    echo(
+        f"trained in {log.seconds:.0f} s: held-out exact match {full.test:.1f}% (test), {full.dev:.1f}% (dev)"
+    )
+
+    # -- look inside ------------------------------------------------------------------------------
+    examples = look_inside(model, ds, report_pairs(cfg, ds), max_len)
+    for label in examples:
+        echo(f"  {label}")
+    first_label, first = next(iter(examples.items()))
+    for kind, fname in (("cross", "cross"), ("encoder self", "encoder"), ("decoder self", "decoder")):
+        group = [p for p in first if p.kind == kind]
+        viz.plot_attention(
+            {p.name: p.weights for p in group},
+            group[0].query_tokens,
+            group[0].key_tokens,
+            title=f"{kind} attention: {first_label}",
+            path=out / f"attention_{fname}.png",
+        )
+    dev_batches = ds.dev.batches(250)
+    score = heads.importance(model, dev_batches, teacher_loss)
+    viz.plot_importance(
+        score,
+        title="head importance (Michel et al. 2019, per-layer L2-normalised)",
+        path=out / "importance.png",
+    )
+    with Progress(n_heads, "mask each") as bar:
+        drop = heads.masking_drop(
+            model,
+            lambda m: exact_match(m, ds.dev, max_len, limit=cfg.drop_size),
+            progress=lambda done, total: bar.update(1),
+        )
+    viz.plot_importance(
+        drop,
+        title="dev exact-match points lost when masking one head",
+        cmap="viridis",
+        path=out / "masking_drop.png",
+    )
+
+    # -- prune ------------------------------------------------------------------------------------
+    echo(
+        f"pruning: {cfg.prune_step:.0%} of the heads per step while dev accuracy stays within {cfg.prune_budget} point(s)"
+    )
+    res = heads.prune_iteratively(
+        model,
+        lambda m: heads.importance(m, dev_batches, teacher_loss),
+        lambda m: exact_match(m, ds.dev, max_len),
+        step=cfg.prune_step,
+        budget=cfg.prune_budget,
+        progress=lambda s: echo(
+            f"  try -{s.removed} heads -> {s.heads_left} left: dev {s.metric:.1f}% "
+            + ("kept" if s.accepted else "rejected")
+        ),
+    )
+    pruned = res.model.eval()
+    small = Row("pruned", sum(heads.head_counts(pruned).values()), count_params(pruned), res.metric, 0.0, 0.0)
+    small.test = exact_match(pruned, ds.test, max_len)
+    small.speed = decode_speed(pruned, ds.test, max_len, cfg.speed_repeats)
+
+    # -- save, reload, report ----------------------------------------------------------------------
+    torch.save(model.state_dict(), out / "model.pt")
+    torch.save(pruned.state_dict(), out / "model_pruned.pt")
+    (out / "config.json").write_text(
+        json.dumps(
+            {
+                "demo": asdict(cfg),
+                "src_vocab": ds.src_vocab.itos,
+                "tgt_vocab": ds.tgt_vocab.itos,
+                "pruned": res.pruned,
+            },
+            indent=1,
+        )
+    )
+    reloaded = heads.load_pruned(build_model(cfg, ds), torch.load(out / "model_pruned.pt")).eval()
+    same = all(
+        torch.equal(a, b)
+        for a, b in zip(_predict(reloaded, ds.test, max_len), _predict(pruned, ds.test, max_len))
+    )
+    echo(
+        f"saved model.pt and model_pruned.pt; pruned checkpoint reloaded with heads.load_pruned: "
+        f"{'identical predictions' if same else 'PREDICTIONS DIFFER'}"
+    )
+
+    rows = _table([full, small])
+    pruned_rows = [["module", "kind", "heads removed (original index)", "heads left"]] + [
+        [name, heads.attention_kind(name), ", ".join(map(str, res.pruned.get(name, []))) or "-", str(h)]
+        for name, h in heads.head_counts(pruned).items()
+    ]
+    echo("\n" + _text_table(rows) + "\n")
+    (out / "results.md").write_text(
+        f"# multihead demo (seed {cfg.seed}, {ds.name})\n\n{_markdown(rows)}\n\n## Pruned heads\n\n"
+        f"{_markdown(pruned_rows)}\n"
+    )
+    viz.write_report(
+        out / "report.html",
+        examples,
+        importance=score,
+        drop=drop,
+        tables={"Before and after pruning": rows, "Pruned heads": pruned_rows},
+        images={"Training": (out / "training.png").read_bytes()},
+        title=f"multihead demo: {ds.name}",
+    )
+    echo(f"report: {out / 'report.html'} (and PNGs, results.md) in {out}/")
+    return {
+        "full": asdict(full),
+        "pruned": asdict(small),
+        "pruned_heads": res.pruned,
+        "train_seconds": log.seconds,
+        "reload_identical": same,
+    }

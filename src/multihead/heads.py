@@ -1,0 +1,531 @@
+"""Head importance and head pruning for every :class:`~multihead.MultiHeadAttention` in a model.
+
+Dimensions: B batch, H query heads, Hkv key/value heads, G = H // Hkv query heads per key/value head,
+Lq/Lk query/key lengths, Dk query/key head dim, Dv value head dim, E embed_dim, O out_dim.
+
+Heads are named by the attention module's qualified name in ``model.named_modules()`` (``""`` for a
+bare module) and the head index *within that module as it is now*: ``{"decoder.layers.0.cross_attn":
+[1, 3]}``. Three tools, all built on the gate hook of :mod:`multihead._inspect` (nothing is stored on
+the modules):
+
+* :func:`masked` zeroes chosen heads' outputs for the duration of a ``with`` block (the *gated model*);
+* :func:`importance` scores each head by Michel et al. (2019), *Are Sixteen Heads Really Better than
+  One?*: a gate ``xi_h`` (= 1) multiplies head h's output, and ``I_h = E_x |dL(x)/dxi_h|``;
+  :func:`masking_drop` is the slower, direct alternative: the metric lost when one head is masked;
+* :func:`prune` physically removes heads (their rows of the Q/K/V projections, their columns of
+  ``out_proj``), so the smaller model computes exactly what the gated model does;
+  :func:`prune_iteratively` repeats score -> prune -> evaluate within an accuracy budget.
+
+A pruned model's ``state_dict`` has smaller tensors than a freshly built model: reload it with
+:func:`load_pruned`, which resizes the fresh model's attention modules to the checkpoint's shapes.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from . import _inspect
+from .attention import MultiHeadAttention
+
+__all__ = [
+    "HeadSpec",
+    "PruneResult",
+    "PruneStep",
+    "attention_kind",
+    "attention_modules",
+    "head_counts",
+    "importance",
+    "load_pruned",
+    "masked",
+    "masking_drop",
+    "prune",
+    "prune_iteratively",
+    "rank",
+]
+
+HeadSpec = Mapping[str, Iterable[int]] | Iterable[int]
+"""Heads to act on: ``{module name: [head, ...]}``, or a plain list of heads for a bare module."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Naming
+# ------------------------------------------------------------------------------------------------
+
+
+def attention_modules(model: nn.Module) -> dict[str, MultiHeadAttention]:
+    """Every :class:`MultiHeadAttention` in ``model`` by qualified name, in module order (``""`` = model)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    return {name: m for name, m in model.named_modules() if isinstance(m, MultiHeadAttention)}
+
+
+def attention_kind(name: str) -> str:
+    """``"encoder self"``, ``"decoder self"``, ``"cross"`` or ``"self"``, read from a qualified name.
+
+    ``"decoder.layers.1.cross_attn"`` -> ``"cross"``, ``"encoder.layers.0.self_attn"`` ->
+    ``"encoder self"``; a name that mentions neither encoder nor decoder is plain ``"self"``.
+    """
+    parts = name.lower().split(".")
+    if "cross" in parts[-1]:
+        return "cross"
+    for side in ("decoder", "encoder"):
+        if any(p.startswith(side) for p in parts):
+            return f"{side} self"
+    return "self"
+
+
+def head_counts(model: nn.Module) -> dict[str, int]:
+    """Current number of query heads of each attention module, by name."""
+    return {name: m.num_heads for name, m in attention_modules(model).items()}
+
+
+def _resolve(model: nn.Module, heads: HeadSpec, *, argument: str = "heads") -> dict[str, list[int]]:
+    """Validate a :data:`HeadSpec` against ``model``: ``{name: sorted unique head indices}``."""
+    modules = attention_modules(model)
+    if isinstance(heads, Mapping):
+        spec = dict(heads)
+    elif isinstance(model, MultiHeadAttention):
+        spec = {"": heads}
+    else:
+        raise TypeError(
+            f"{argument} must be a mapping {{module name: [head, ...]}} for a model with several attention "
+            f"modules (got {type(heads).__name__}); names: {_names_hint(modules)}"
+        )
+    out: dict[str, list[int]] = {}
+    for name, idx in spec.items():
+        if name not in modules:
+            raise ValueError(
+                f"{argument} names {name!r}, which is not a MultiHeadAttention in this model; "
+                f"names: {_names_hint(modules)}"
+            )
+        if isinstance(idx, int):
+            idx = [idx]
+        h = modules[name].num_heads
+        picked = []
+        for i in idx:
+            i = int(i) if isinstance(i, Tensor) and i.numel() == 1 else i
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < h:
+                raise ValueError(
+                    f"{argument}[{name!r}] must hold head indices in [0, {h}) (the module has {h} heads "
+                    f"now), got {i!r}"
+                )
+            picked.append(i)
+        out[name] = sorted(set(picked))
+    return out
+
+
+def _names_hint(modules: Mapping[str, nn.Module]) -> str:
+    names = [repr(n) for n in modules]
+    return ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "") or "(none)"
+
+
+# ------------------------------------------------------------------------------------------------
+# Gates
+# ------------------------------------------------------------------------------------------------
+
+
+class _Gates(_inspect.Inspector):
+    """Multiplies each head's output (B, H, Lq, Dv) by a gate from ``make_gate(name, heads)``."""
+
+    def __init__(self, model: nn.Module, make_gate: Callable[[str, Tensor], Tensor | None]) -> None:
+        self.names = {m: name for name, m in attention_modules(model).items()}
+        self.make_gate = make_gate
+
+    def on_heads(self, module: nn.Module, heads: Tensor, weights: Tensor | None) -> Tensor:
+        name = self.names.get(module)
+        gate = None if name is None else self.make_gate(name, heads)
+        return heads if gate is None else heads * gate  # (B, H, Lq, Dv) * (B or 1, H, 1, 1)
+
+
+@contextmanager
+def masked(model: nn.Module, heads: HeadSpec) -> Iterator[nn.Module]:
+    """Within the block, the listed heads of ``model`` output zeros (the gated model); yields ``model``.
+
+    A masked head still computes its attention, but contributes nothing to ``out_proj``: this is
+    exactly what :func:`prune` computes with the head removed. Example::
+
+        with heads.masked(model, {"encoder.layers.0.self_attn": [2]}):
+            logits = model(src, tgt)
+    """
+    spec = _resolve(model, heads)
+
+    def make_gate(name: str, h: Tensor) -> Tensor | None:
+        if not spec.get(name):
+            return None
+        gate = torch.ones(1, h.shape[1], 1, 1, dtype=h.dtype, device=h.device)  # (1, H, 1, 1)
+        gate[:, spec[name]] = 0
+        return gate
+
+    with _inspect.inspecting(_Gates(model, make_gate)):
+        yield model
+
+
+# ------------------------------------------------------------------------------------------------
+# Importance
+# ------------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def importance(
+    model: nn.Module,
+    batches: Iterable[object],
+    loss_fn: Callable[[nn.Module, object], Tensor],
+    *,
+    normalize: bool = True,
+) -> dict[str, Tensor]:
+    """Head importance of Michel et al. (2019): ``I_h = E_x |dL(x) / dxi_h|`` at gates ``xi = 1``.
+
+    Args:
+        model: any module holding :class:`MultiHeadAttention` layers (run in eval mode here, restored after).
+        batches: an iterable of whatever ``loss_fn`` takes (e.g. ``(src, tgt)`` tensors).
+        loss_fn: ``loss_fn(model, batch)`` -> scalar loss, the *mean* over the batch's examples.
+        normalize: divide each module's scores by their L2 norm (the paper's per-layer normalisation),
+            so that layers compare on one scale.
+
+    Returns:
+        ``{module name: (H,) float32 scores}``; higher = more important. :func:`rank` orders them.
+
+    Each example gets its own gate (B, H), so the absolute value is taken per example, as in the paper,
+    not of a batch-averaged gradient (which lets opposite signs cancel). A module called several times in
+    one forward (a decoder stepping with a cache) sums the gradients of its calls. Only the gates get
+    gradients: the parameters' ``.grad`` are left untouched.
+    """
+    modules = attention_modules(model)
+    if not modules:
+        raise ValueError("model has no multihead.MultiHeadAttention modules to score")
+    totals = {name: torch.zeros(m.num_heads, dtype=torch.float64) for name, m in modules.items()}
+    n_batches = 0
+    calls: list[tuple[str, Tensor]] = []  # (module name, gate (B, H, 1, 1)) of each call in one batch
+
+    def make_gate(name: str, h: Tensor) -> Tensor:
+        gate = torch.ones(h.shape[0], h.shape[1], 1, 1, dtype=h.dtype, device=h.device)  # (B, H, 1, 1)
+        gate.requires_grad_(True)
+        calls.append((name, gate))
+        return gate
+
+    with _eval_mode(model), torch.enable_grad():
+        for batch in batches:
+            calls.clear()
+            with _inspect.inspecting(_Gates(model, make_gate)):
+                loss = loss_fn(model, batch)
+            if not isinstance(loss, Tensor) or loss.numel() != 1:
+                raise ValueError(
+                    f"loss_fn must return a scalar tensor (the mean loss over the batch), got "
+                    f"{type(loss).__name__}{'' if not isinstance(loss, Tensor) else tuple(loss.shape)}"
+                )
+            if not calls:
+                raise ValueError("loss_fn ran no attention module of model: nothing to score")
+            grads = torch.autograd.grad(loss, [g for _, g in calls], allow_unused=True)
+            per_module: dict[str, Tensor] = {}
+            for (name, gate), grad in zip(calls, grads):
+                grad = torch.zeros_like(gate) if grad is None else grad
+                prev = per_module.get(name)
+                per_module[name] = grad if prev is None or prev.shape != grad.shape else prev + grad
+            for name, grad in per_module.items():
+                # batch-mean loss: sum_b |dL/dxi_bh| = mean over the batch's examples of |dL_b/dxi_h|
+                totals[name] += grad.detach().abs().sum(dim=(0, 2, 3)).double().cpu()  # (H,)
+            n_batches += 1
+    if n_batches == 0:
+        raise ValueError("batches is empty: importance needs at least one batch")
+    scores = {name: (t / n_batches).float() for name, t in totals.items()}
+    if normalize:
+        scores = {name: s / s.norm().clamp_min(1e-20) for name, s in scores.items()}
+    return scores
+
+
+def masking_drop(
+    model: nn.Module,
+    metric: Callable[[nn.Module], float],
+    *,
+    heads: HeadSpec | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Tensor]:
+    """The metric lost when each head alone is masked: ``metric(model) - metric(model with head h masked)``.
+
+    Args:
+        model: the model (run in eval mode here, restored after).
+        metric: ``metric(model)`` -> float, higher is better (e.g. exact-match accuracy in %).
+        heads: which heads to try (default: all); the others get NaN.
+        progress: called as ``progress(done, total)`` after each evaluation.
+
+    Returns:
+        ``{module name: (H,) float32 drops}``; a large drop = an important head. Costs one evaluation
+        per head (plus one), so use it to check :func:`importance`, not instead of it.
+    """
+    modules = attention_modules(model)
+    spec = (
+        {n: list(range(m.num_heads)) for n, m in modules.items()} if heads is None else _resolve(model, heads)
+    )
+    total = sum(len(v) for v in spec.values())
+    drops = {name: torch.full((m.num_heads,), float("nan")) for name, m in modules.items()}
+    with _eval_mode(model):
+        base = float(metric(model))
+        done = 0
+        for name, idx in spec.items():
+            for h in idx:
+                with masked(model, {name: [h]}):
+                    drops[name][h] = base - float(metric(model))
+                done += 1
+                if progress is not None:
+                    progress(done, total)
+    return drops
+
+
+def rank(scores: Mapping[str, Tensor]) -> list[tuple[str, int]]:
+    """All ``(module name, head)`` pairs from least to most important (NaN scores last)."""
+    flat = [(float(s), name, h) for name, t in scores.items() for h, s in enumerate(t.tolist())]
+    flat.sort(key=lambda x: (math.isnan(x[0]), x[0]))
+    return [(name, h) for _, name, h in flat]
+
+
+# ------------------------------------------------------------------------------------------------
+# Pruning
+# ------------------------------------------------------------------------------------------------
+
+
+def _head_rows(heads: Iterable[int], size: int) -> Tensor:
+    """Row indices of ``heads`` in a projection where head i owns rows [i*size, (i+1)*size)."""
+    idx = torch.as_tensor(list(heads), dtype=torch.long)
+    return (idx[:, None] * size + torch.arange(size)).flatten()  # (n*size,)
+
+
+def _reshape_heads(m: MultiHeadAttention, q_heads: list[int], kv_heads: list[int]) -> None:
+    """Keep query heads ``q_heads`` and key/value heads ``kv_heads`` (repeats allowed), in that order.
+
+    Query head j of the result uses key/value head ``j // (len(q_heads) // len(kv_heads))``.
+    """
+    dk, dv = m.head_dim, m.v_head_dim
+    nq, nk, _ = m._proj_sizes()
+    q_rows = _head_rows(q_heads, dk)
+    k_rows, v_rows = _head_rows(kv_heads, dk), _head_rows(kv_heads, dv)
+    o_cols = _head_rows(q_heads, dv)
+
+    def take(p: nn.Parameter, rows: Tensor, dim: int = 0) -> nn.Parameter:
+        new = nn.Parameter(p.detach().index_select(dim, rows.to(p.device)).clone())
+        new.requires_grad_(p.requires_grad)
+        return new
+
+    fused_rows = torch.cat([q_rows, nq + k_rows, nq + nk + v_rows])  # rows of [q | k | v]
+    if m.in_proj_weight is not None:
+        m.in_proj_weight = take(m.in_proj_weight, fused_rows)
+    else:
+        m.q_proj_weight = take(m.q_proj_weight, q_rows)
+        m.k_proj_weight = take(m.k_proj_weight, k_rows)
+        m.v_proj_weight = take(m.v_proj_weight, v_rows)
+    if m.in_proj_bias is not None:
+        m.in_proj_bias = take(m.in_proj_bias, fused_rows)
+    m.out_proj.weight = take(m.out_proj.weight, o_cols, dim=1)  # (O, H'*Dv)
+    m.out_proj.in_features = len(q_heads) * dv
+    m.num_heads, m.kv_heads = len(q_heads), len(kv_heads)
+
+
+def _prune_module(m: MultiHeadAttention, drop: list[int], name: str) -> None:
+    h, hkv = m.num_heads, m.kv_heads
+    keep = [i for i in range(h) if i not in set(drop)]
+    if not keep:
+        raise ValueError(
+            f"cannot prune all {h} heads of {name or 'the module'!r}: an attention layer needs at least one "
+            f"head; keep one (its output is then the only attention contribution), or remove the whole "
+            f"block from your model instead"
+        )
+    g = h // hkv
+    groups = [[i for i in keep if i // g == j] for j in range(hkv)]  # kept query heads per KV head
+    sizes = [len(c) for c in groups if c]
+    size = math.gcd(*sizes)  # uneven groups: duplicate KV heads so every group has `size` query heads
+    kv = [j for j, c in enumerate(groups) for _ in range(len(c) // size)]
+    _reshape_heads(m, keep, kv)
+
+
+def prune(module_or_model: nn.Module, heads: HeadSpec, *, inplace: bool = False) -> nn.Module:
+    """Remove heads for good: a smaller model equal to the gated model (:func:`masked`) with them zeroed.
+
+    Args:
+        module_or_model: a :class:`MultiHeadAttention` (then ``heads`` may be a list) or a model.
+        heads: ``{module name: [head, ...]}`` (indices as the module is now) or a list for a bare module.
+        inplace: modify ``module_or_model`` (default: prune and return a deep copy).
+
+    Returns:
+        The pruned module/model. Each pruned module loses head i's rows ``[i*Dk, (i+1)*Dk)`` of the Q
+        projection (``in_proj_weight``/``q_proj_weight`` and ``in_proj_bias``) and columns
+        ``[i*Dv, (i+1)*Dv)`` of ``out_proj.weight``; ``num_heads`` shrinks. ``out_proj.bias`` stays.
+
+    Grouped-query attention (G = H // Hkv query heads per KV head): a KV head whose G query heads all go
+    is removed too. If the groups left have unequal sizes (say 2 and 1), KV heads are duplicated so every
+    group has gcd-of-sizes query heads (the module's contiguous grouping cannot express uneven groups);
+    the result is still exact. Pruning every head of a module raises ``ValueError``.
+
+    Save a pruned model with ``torch.save(model.state_dict(), path)`` and reload it with
+    :func:`load_pruned` (a fresh model's shapes no longer match the checkpoint's).
+    """
+    model = module_or_model if inplace else copy.deepcopy(module_or_model)
+    spec = _resolve(model, heads)
+    modules = attention_modules(model)
+    for name, drop in spec.items():  # check everything before changing anything
+        if len(drop) == modules[name].num_heads:
+            _prune_module(modules[name], drop, name)  # raises the all-heads error
+    for name, drop in spec.items():
+        if drop:
+            _prune_module(modules[name], drop, name)
+    return model
+
+
+def load_pruned(model: nn.Module, state_dict: Mapping[str, Tensor], *, strict: bool = True) -> nn.Module:
+    """Load a pruned checkpoint into a freshly built (unpruned) ``model`` of the same configuration.
+
+    Each attention module is first resized to the head counts the checkpoint's tensors imply
+    (H from ``out_proj.weight`` (O, H*Dv), Hkv from the K/V projection rows), then
+    ``model.load_state_dict(state_dict, strict=strict)`` fills in the weights. Returns ``model``::
+
+        torch.save(pruned.state_dict(), "pruned.pt")
+        model = heads.load_pruned(Transformer(...same arguments...), torch.load("pruned.pt"))
+    """
+    for name, m in attention_modules(model).items():
+        prefix = f"{name}." if name else ""
+        key = f"{prefix}out_proj.weight"
+        if key not in state_dict:
+            if strict:
+                raise ValueError(f"state_dict has no {key!r}: is it a checkpoint of this model's class?")
+            continue
+        dk, dv = m.head_dim, m.v_head_dim
+        cols = state_dict[key].shape[1]  # H*Dv
+        h = cols // dv
+        if m.in_proj_weight is not None:
+            kv_rows, kv_size = state_dict[f"{prefix}in_proj_weight"].shape[0] - h * dk, dk + dv  # Hkv*(Dk+Dv)
+        else:
+            kv_rows, kv_size = state_dict[f"{prefix}k_proj_weight"].shape[0], dk  # Hkv*Dk
+        hkv = kv_rows // kv_size
+        if cols % dv or kv_rows % kv_size or hkv <= 0 or h % hkv:
+            raise ValueError(
+                f"checkpoint tensors of {name or 'the module'!r} do not fit head dims Dk={dk}, Dv={dv}: "
+                f"{key} has shape {tuple(state_dict[key].shape)}; build the model with the same "
+                f"head_dim/v_head_dim as the checkpoint's"
+            )
+        if (h, hkv) != (m.num_heads, m.kv_heads):
+            # any rows will do: load_state_dict overwrites them; index 0 exists in every projection
+            _reshape_heads(m, [0] * h, [0] * hkv)
+    model.load_state_dict(state_dict, strict=strict)
+    return model
+
+
+# ------------------------------------------------------------------------------------------------
+# Iterative pruning
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PruneStep:
+    """One tried step: how many heads it would remove, the metric after it, and whether it was kept."""
+
+    removed: int
+    heads_left: int
+    metric: float
+    accepted: bool
+
+
+@dataclass
+class PruneResult:
+    """What :func:`prune_iteratively` returns."""
+
+    model: nn.Module
+    pruned: dict[str, list[int]]  # module name -> removed heads, as indices of the ORIGINAL module
+    baseline: float
+    metric: float
+    history: list[PruneStep] = field(default_factory=list)
+
+    @property
+    def num_pruned(self) -> int:
+        """Heads removed in all."""
+        return sum(len(v) for v in self.pruned.values())
+
+
+def prune_iteratively(
+    model: nn.Module,
+    score: Callable[[nn.Module], Mapping[str, Tensor]],
+    metric: Callable[[nn.Module], float],
+    *,
+    step: float = 0.1,
+    budget: float = 1.0,
+    min_heads: int = 1,
+    progress: Callable[[PruneStep], None] | None = None,
+) -> PruneResult:
+    """Prune the least important heads step by step while ``metric`` stays within ``budget`` of the start.
+
+    Args:
+        model: the trained model (left unchanged; the result holds a pruned copy).
+        score: ``score(model)`` -> ``{name: (H,) scores}``, e.g.
+            ``lambda m: importance(m, batches, loss_fn)``; recomputed after every accepted step.
+        metric: ``metric(model)`` -> float, higher is better (e.g. held-out accuracy in %).
+        step: the schedule: each step removes this fraction of the original number of heads (at least 1).
+            When a step would leave the budget, it is retried with half as many heads, down to one.
+        budget: how much ``metric`` may fall below the unpruned model's (same units, e.g. points).
+        min_heads: heads every module keeps (>= 1: an attention layer cannot lose all its heads).
+        progress: called with each :class:`PruneStep` tried.
+
+    Returns:
+        :class:`PruneResult`: the most pruned model found within the budget, the removed heads in the
+        original indexing, and the history of tried steps.
+    """
+    if not 0.0 < step <= 1.0:
+        raise ValueError(f"step must be a fraction of the heads in (0, 1], got {step!r}")
+    if budget < 0:
+        raise ValueError(f"budget must be >= 0 (how much the metric may drop), got {budget!r}")
+    if isinstance(min_heads, bool) or not isinstance(min_heads, int) or min_heads < 1:
+        raise ValueError(
+            f"min_heads must be an int >= 1 (a module cannot lose every head), got {min_heads!r}"
+        )
+    current = copy.deepcopy(model)
+    original = {name: list(range(h)) for name, h in head_counts(current).items()}  # current -> original
+    total = sum(len(v) for v in original.values())
+    n = max(1, round(step * total))
+    baseline = float(metric(current))
+    best = baseline
+    history: list[PruneStep] = []
+    scores: Mapping[str, Tensor] | None = None
+    while n >= 1:
+        if scores is None:
+            scores = score(current)
+        left = {name: len(v) for name, v in original.items()}
+        chosen: dict[str, list[int]] = {}
+        for name, h in rank(scores):
+            if sum(len(v) for v in chosen.values()) == n:
+                break
+            if left[name] > min_heads:
+                chosen.setdefault(name, []).append(h)
+                left[name] -= 1
+        if not chosen:
+            break
+        candidate = prune(current, chosen)
+        value = float(metric(candidate))
+        ok = value >= baseline - budget
+        removed = sum(len(v) for v in chosen.values())
+        tried = PruneStep(removed, sum(left.values()), value, ok)
+        history.append(tried)
+        if progress is not None:
+            progress(tried)
+        if ok:
+            current, best, scores = candidate, value, None
+            for name, drop in chosen.items():
+                original[name] = [o for i, o in enumerate(original[name]) if i not in set(drop)]
+        else:
+            n //= 2
+    pruned = {
+        name: [h for h in range(count) if h not in set(original[name])]
+        for name, count in head_counts(model).items()
+    }
+    return PruneResult(current, {k: v for k, v in pruned.items() if v}, baseline, best, history)

@@ -261,22 +261,54 @@ def test_prune_iteratively_keeps_the_planted_head_within_budget(planted):
     assert heads.head_counts(model)["attn"] == H  # the input model is untouched
 
 
-def test_prune_iteratively_zero_budget_rejects_harmful_steps():
-    """With a metric that punishes every pruned head, nothing is pruned and the halving schedule ends."""
+@pytest.mark.parametrize("patience", [None, 2])
+def test_prune_iteratively_zero_budget_rejects_harmful_steps(patience):
+    """With a metric that punishes every pruned head, nothing is pruned: the schedule halves to one head,
+    then tries every head alone once (or stops after ``patience`` rejections in a row)."""
     model = ToySeq2Seq()
+    total = sum(heads.head_counts(model).values())
     res = heads.prune_iteratively(
         model,
         lambda m: {n: torch.arange(h, dtype=torch.float) for n, h in heads.head_counts(m).items()},
         lambda m: float(sum(heads.head_counts(m).values())),
         step=0.25,
         budget=0.0,
+        patience=patience,
     )
+    assert total == 24
     assert res.num_pruned == 0 and res.pruned == {}
-    assert [s.removed for s in res.history] == [6, 3, 1]
+    singles = total if patience is None else patience
+    assert [s.removed for s in res.history] == [6, 3] + [1] * singles
     assert not any(s.accepted for s in res.history)
 
 
-@pytest.mark.parametrize("kw", [{"step": 0.0}, {"budget": -1.0}, {"min_heads": 0}])
+def test_prune_iteratively_skips_a_head_the_metric_needs():
+    """The least important head by score is the one the metric needs: it is kept and the others still go."""
+    model = ToySeq2Seq()
+    needed = ("encoder.layers.0.self_attn", 0)
+    first = sorted(heads.head_counts(model))
+    assert needed[0] in first
+
+    def scores(m: torch.nn.Module) -> dict[str, torch.Tensor]:
+        out = {n: torch.ones(h) for n, h in heads.head_counts(m).items()}
+        if heads.head_counts(m)[needed[0]] == heads.head_counts(model)[needed[0]]:
+            out[needed[0]][needed[1]] = 0.0  # ranked first while it is still there
+        return out
+
+    def metric(m: torch.nn.Module) -> float:
+        # 100 while head 0 of the needed module survives (its first query-projection row is unchanged)
+        w = dict(m.named_parameters())[f"{needed[0]}.in_proj_weight"]
+        ref = dict(model.named_parameters())[f"{needed[0]}.in_proj_weight"]
+        return 100.0 if torch.equal(w[0], ref[0]) else 0.0
+
+    res = heads.prune_iteratively(model, scores, metric, step=1 / 24, budget=0.5)
+    assert needed[1] not in res.pruned.get(needed[0], [])
+    left = heads.head_counts(res.model)
+    assert all(h == 1 for h in left.values())  # everything else down to min_heads=1
+    assert res.metric == 100.0
+
+
+@pytest.mark.parametrize("kw", [{"step": 0.0}, {"budget": -1.0}, {"min_heads": 0}, {"patience": 0}])
 def test_prune_iteratively_bad_arguments(kw):
     with pytest.raises(ValueError, match=next(iter(kw))):
         heads.prune_iteratively(ToySeq2Seq(), lambda m: {}, lambda m: 0.0, **kw)

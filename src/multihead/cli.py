@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument(
         "--data", metavar="FILE.tsv", help="train on your own source<TAB>target pairs (d2l fra-eng format)"
     )
-    demo.add_argument("--steps", type=int, help="training steps (default 1200)")
+    demo.add_argument("--steps", type=int, help="training steps (default 900)")
     demo.add_argument("--seeds", action="store_true", help="only print the seed notebooks' parity table")
     from .export import add_cli as add_export_cli
 

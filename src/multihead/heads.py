@@ -462,6 +462,7 @@ def prune_iteratively(
     step: float = 0.1,
     budget: float = 1.0,
     min_heads: int = 1,
+    patience: int | None = None,
     progress: Callable[[PruneStep], None] | None = None,
 ) -> PruneResult:
     """Prune the least important heads step by step while ``metric`` stays within ``budget`` of the start.
@@ -472,9 +473,13 @@ def prune_iteratively(
             ``lambda m: importance(m, batches, loss_fn)``; recomputed after every accepted step.
         metric: ``metric(model)`` -> float, higher is better (e.g. held-out accuracy in %).
         step: the schedule: each step removes this fraction of the original number of heads (at least 1).
-            When a step would leave the budget, it is retried with half as many heads, down to one.
+            When a step would leave the budget, it is retried with half as many heads, down to one; a
+            single head that still leaves the budget is kept for good and the next-ranked head is tried
+            (scores are not the metric: the least important head by gradient can still be the one the
+            metric needs).
         budget: how much ``metric`` may fall below the unpruned model's (same units, e.g. points).
         min_heads: heads every module keeps (>= 1: an attention layer cannot lose all its heads).
+        patience: stop after this many single-head rejections in a row (default: try every head).
         progress: called with each :class:`PruneStep` tried.
 
     Returns:
@@ -489,6 +494,10 @@ def prune_iteratively(
         raise ValueError(
             f"min_heads must be an int >= 1 (a module cannot lose every head), got {min_heads!r}"
         )
+    if patience is not None and (isinstance(patience, bool) or not isinstance(patience, int) or patience < 1):
+        raise ValueError(
+            f"patience must be None or an int >= 1 (single-head rejections in a row), got {patience!r}"
+        )
     current = copy.deepcopy(model)
     original = {name: list(range(h)) for name, h in head_counts(current).items()}  # current -> original
     total = sum(len(v) for v in original.values())
@@ -497,7 +506,9 @@ def prune_iteratively(
     best = baseline
     history: list[PruneStep] = []
     scores: Mapping[str, Tensor] | None = None
-    while n >= 1:
+    kept: set[tuple[str, int]] = set()  # (name, original index) of heads a single-head step could not remove
+    misses = 0  # single-head rejections in a row
+    while n >= 1 and (patience is None or misses < patience):
         if scores is None:
             scores = score(current)
         left = {name: len(v) for name, v in original.items()}
@@ -505,7 +516,7 @@ def prune_iteratively(
         for name, h in rank(scores):
             if sum(len(v) for v in chosen.values()) == n:
                 break
-            if left[name] > min_heads:
+            if left[name] > min_heads and (name, original[name][h]) not in kept:
                 chosen.setdefault(name, []).append(h)
                 left[name] -= 1
         if not chosen:
@@ -519,11 +530,15 @@ def prune_iteratively(
         if progress is not None:
             progress(tried)
         if ok:
-            current, best, scores = candidate, value, None
+            current, best, scores, misses = candidate, value, None, 0
             for name, drop in chosen.items():
                 original[name] = [o for i, o in enumerate(original[name]) if i not in set(drop)]
-        else:
+        elif n > 1:
             n //= 2
+        else:
+            ((name, (h,)),) = chosen.items()
+            kept.add((name, original[name][h]))
+            misses += 1
     pruned = {
         name: [h for h in range(count) if h not in set(original[name])]
         for name, count in head_counts(model).items()

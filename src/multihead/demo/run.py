@@ -45,7 +45,7 @@ class DemoConfig:
     layers: int = 2  # encoder layers = decoder layers
     d_ff: int = 128
     dropout: float = 0.0
-    steps: int = 1200
+    steps: int = 900
     batch_size: int = 128
     lr: float = 3e-3
     warmup: int = 100
@@ -55,7 +55,8 @@ class DemoConfig:
     curve_points: int = 6  # dev accuracy checks during training (for the curve)
     prune_step: float = 0.1  # fraction of all heads per pruning step
     prune_budget: float = 1.0  # accuracy points the pruned model may lose (on dev)
-    drop_size: int = 500  # dev examples per masking-drop evaluation
+    drop_size: int = 300  # dev examples per masking-drop evaluation
+    prune_patience: int = 6  # single-head rejections in a row before pruning stops
     speed_repeats: int = 3
     report_examples: int = 3
 
@@ -168,8 +169,8 @@ def train(model: Transformer, ds: Dataset, cfg: DemoConfig, max_len: int) -> Tra
             nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             sched.step()
-            log.losses.append(float(loss))
-            info = {"loss": f"{float(loss):.4f}"}
+            log.losses.append(loss.item())
+            info = {"loss": f"{log.losses[-1]:.4f}"}
             if step in checks:
                 log.curve.append((step, exact_match(model, ds.dev, max_len, limit=300)))
                 info["dev"] = f"{log.curve[-1][1]:.1f}%"
@@ -283,6 +284,7 @@ def run(cfg: DemoConfig, out: str | Path, *, echo: Callable[[str], None] = print
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
     torch.manual_seed(cfg.seed)
     ds = make_dataset(cfg.seed, train=cfg.train_size, dev=cfg.dev_size, test=cfg.test_size, data=cfg.data)
     max_len = ds.max_target_len + 2
@@ -353,6 +355,7 @@ def run(cfg: DemoConfig, out: str | Path, *, echo: Callable[[str], None] = print
         lambda m: exact_match(m, ds.dev, max_len),
         step=cfg.prune_step,
         budget=cfg.prune_budget,
+        patience=cfg.prune_patience,
         progress=lambda s: echo(
             f"  try -{s.removed} heads -> {s.heads_left} left: dev {s.metric:.1f}% "
             + ("kept" if s.accepted else "rejected")
@@ -406,7 +409,10 @@ def run(cfg: DemoConfig, out: str | Path, *, echo: Callable[[str], None] = print
         images={"Training": (out / "training.png").read_bytes()},
         title=f"multihead demo: {ds.name}",
     )
-    echo(f"report: {out / 'report.html'} (and PNGs, results.md) in {out}/")
+    echo(
+        f"report: {out / 'report.html'} (and PNGs, results.md) in {out}/; "
+        f"whole demo {time.perf_counter() - started:.0f} s"
+    )
     return {
         "full": asdict(full),
         "pruned": asdict(small),

@@ -1,0 +1,110 @@
+"""The end-to-end demo in a reduced form: every artefact written and valid, the TSV path, the CLI."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from test_viz import PNG, check_offline_html
+
+from multihead import cli, heads
+from multihead.demo import data
+from multihead.demo.run import DemoConfig, build_model, exact_match, run
+
+ARTEFACTS = [
+    "training.png",
+    "attention_cross.png",
+    "attention_encoder.png",
+    "attention_decoder.png",
+    "importance.png",
+    "masking_drop.png",
+    "report.html",
+    "results.md",
+    "model.pt",
+    "model_pruned.pt",
+    "config.json",
+]
+
+
+def tiny(**kw: object) -> DemoConfig:
+    base = dict(
+        d_model=16, num_heads=2, layers=1, d_ff=32, steps=12, batch_size=32, warmup=4, train_size=200,
+        dev_size=40, test_size=40, curve_points=2, drop_size=20, speed_repeats=1, prune_budget=100.0,
+    )  # fmt: skip
+    base.update(kw)
+    return DemoConfig(**base)  # type: ignore[arg-type]
+
+
+def test_demo_writes_every_artefact(tmp_path):
+    lines: list[str] = []
+    res = run(tiny(), tmp_path, echo=lines.append)
+    for name in ARTEFACTS:
+        path = tmp_path / name
+        assert path.is_file() and path.stat().st_size > 0, name
+        if name.endswith(".png"):
+            assert path.read_bytes().startswith(PNG), name
+    parser = check_offline_html((tmp_path / "report.html").read_text(encoding="utf-8"))
+    assert parser.tags.count("img") >= 3
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["demo"]["d_model"] == 16 and cfg["pruned"] == res["pruned_heads"]
+    # a 100-point budget prunes down to one head per module (min_heads), and the reload is exact
+    assert res["reload_identical"] is True
+    pruned_heads = sum(len(v) for v in res["pruned_heads"].values())
+    assert pruned_heads == 3 * (2 - 1)  # (encoder self, decoder self, cross) x (2 heads - 1 kept)
+    assert res["pruned"]["heads"] == res["full"]["heads"] - pruned_heads
+    assert res["pruned"]["params"] < res["full"]["params"]
+    table = (tmp_path / "results.md").read_text()
+    assert "| model | heads | parameters |" in table
+    assert re.search(r"\| full \| 6 \| [\d,]+ \| [\d.]+% \|", table)
+    assert re.search(r"\| pruned \| 3 \| [\d,]+ \| [\d.]+% \|", table)
+    assert any("exact match" in line for line in lines)
+
+
+class Oracle:
+    """A stand-in model whose greedy decoding returns the gold targets, optionally without the end token."""
+
+    def __init__(self, split: data.Split, *, drop_eos: bool) -> None:
+        self.rows = {tuple(s.tolist()): t for s, t in zip(split.src, split.tgt_out)}
+        self.drop_eos = drop_eos
+
+    def generate(self, src: torch.Tensor, **_: object) -> torch.Tensor:
+        out = torch.stack([self.rows[tuple(s.tolist())] for s in src])  # (B, T)
+        return out.masked_fill(out == data.EOS, data.PAD) if self.drop_eos else out
+
+
+def test_exact_match_counts_the_end_token():
+    ds = data.make_dataset(0, train=50, dev=10, test=10)
+    max_len = ds.max_target_len + 2
+    assert exact_match(Oracle(ds.test, drop_eos=False), ds.test, max_len) == 100.0  # type: ignore[arg-type]
+    assert exact_match(Oracle(ds.test, drop_eos=True), ds.test, max_len) == 0.0  # type: ignore[arg-type]
+
+
+def test_tsv_data_and_errors_name_the_line(tmp_path):
+    good = tmp_path / "pairs.tsv"
+    good.write_text("".join(f"go {i}\tva {i}\tCC-BY\n" for i in range(30)), encoding="utf-8")
+    ds = data.make_dataset(0, data=good)
+    assert len(ds.train) + len(ds.dev) + len(ds.test) == 30 and ds.tgt_join == " "
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("go\tva\nno tab here\n", encoding="utf-8")
+    with pytest.raises(data.DataError, match=r"bad\.tsv:2: expected 'source<TAB>target'"):
+        data.load_tsv(bad)
+    empty = tmp_path / "empty.tsv"
+    empty.write_text("go\t \n", encoding="utf-8")
+    with pytest.raises(data.DataError, match=r"empty\.tsv:1: empty target"):
+        data.load_tsv(empty)
+    assert cli.main(["demo", "--seeds", "--data", str(bad), "--out", str(tmp_path)]) == 0  # --seeds: no data
+    assert cli.main(["demo", "--data", str(bad), "--out", str(tmp_path / "o"), "--steps", "1"]) == 2
+
+
+def test_pruned_checkpoint_reloads_into_a_fresh_model(tmp_path):
+    ds = data.make_dataset(0, train=50, dev=10, test=10)
+    torch.manual_seed(0)
+    model = build_model(tiny(), ds).eval()
+    pruned = heads.prune(model, {"encoder.layers.0.self_attn": [1], "decoder.layers.0.cross_attn": [0]})
+    torch.save(pruned.state_dict(), tmp_path / "p.pt")
+    again = heads.load_pruned(build_model(tiny(), ds), torch.load(tmp_path / "p.pt")).eval()
+    src = ds.test.src
+    kw = dict(bos_id=data.BOS, eos_id=data.EOS, max_len=8)
+    assert torch.equal(again.generate(src, **kw), pruned.generate(src, **kw))

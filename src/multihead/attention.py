@@ -293,6 +293,7 @@ class MultiHeadAttention(nn.Module):
             return_weights=return_weights or (inspector is not None and inspector.wants_weights),
             backend=self.backend,
         )
+        del q, k, v  # without grad, the projections are freed before the output projection allocates
         out_heads, weights = res if isinstance(res, AttentionOutput) else (res, None)  # (B, H, Lq, Dv)
         if inspector is not None:
             out_heads = inspector.on_heads(self, out_heads, weights)

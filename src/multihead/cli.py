@@ -1,4 +1,4 @@
-"""Command line: ``multihead demo | export`` (``python -m multihead`` is the same)."""
+"""Command line: ``multihead demo | bench | export`` (``python -m multihead`` is the same)."""
 
 from __future__ import annotations
 
@@ -44,12 +44,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     demo.add_argument("--steps", type=int, help="training steps (default 900)")
     demo.add_argument("--seeds", action="store_true", help="only print the seed notebooks' parity table")
+    bench = sub.add_parser("bench", help="benchmark multihead against its peers (see docs/performance.md)")
+    from . import bench as _bench
+
+    _bench.add_arguments(bench)
     from .export import add_cli as add_export_cli
 
     add_export_cli(sub)
     args = parser.parse_args(argv)
     if args.command == "demo":
         return _demo(args)
+    if args.command == "bench":
+        return _bench.run(args)
     if args.command == "export":
         from .export import run_cli as export_cli
 

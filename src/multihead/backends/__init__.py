@@ -90,8 +90,12 @@ def select(call: AttentionCall, name: str = "auto") -> Backend:
     return backend
 
 
+from . import flex as _flex  # noqa: E402
 from . import math as _math  # noqa: E402
-from . import sdpa as _sdpa  # noqa: E402  (registration order is the auto order)
+from . import sdpa as _sdpa  # noqa: E402
 
+# Registration order is the auto order: flex serves only CUDA calls with a mask or bias (block
+# skipping), sdpa every call without weights, math everything else (weights included).
+register(_flex.FlexBackend())
 register(_sdpa.SDPABackend())
 register(_math.MathBackend())

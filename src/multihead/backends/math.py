@@ -7,7 +7,7 @@ Dimensions: B batch, H heads, Hkv kv heads, G = H // Hkv, Lq/Lk lengths, Dk/Dv h
 
 Equals, in plain PyTorch (with K/V repeated G times for grouped-query attention)::
 
-    w = softmax(q @ k.transpose(-2, -1) * scale + bias masked with -inf where not mask, dim=-1)
+    w = softmax((q * scale) @ k.transpose(-2, -1) + bias masked with -inf where not mask, dim=-1)
     out = dropout(w) @ v
 """
 
@@ -31,19 +31,21 @@ class MathBackend:
     def __call__(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         q, k, v, m = call.q, call.k, call.v, call.masks
         h, hkv, lq, lk = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
-        qg = group_queries(q, hkv)  # (B, Hkv, G*Lq, Dk)
-        scores = torch.matmul(qg, k.transpose(-2, -1))  # (B, Hkv, G*Lq, Lk)
-        scores = scores * call.scale
+        # Scaling q (B*H*Lq*Dk products) is cheaper than scaling the scores (B*H*Lq*Lk), and its
+        # contiguous result makes the grouping below a view.
+        qg = group_queries(q * call.scale, hkv)  # (B, Hkv, G*Lq, Dk)
+        scores = torch.matmul(qg, k.transpose(-2, -1))  # (B, Hkv, G*Lq, Lk), a fresh tensor
         bias = group_mask(m.bias, h, hkv, lq)
         if bias is not None:
-            scores = scores + bias
+            scores = scores.add_(bias)  # in place: matmul's backward does not need its output
         keep = m.mask
         if m.causal:  # only when Lq == Lk and nothing else masks
             keep = causal(lq, lk, device=q.device).view(1, 1, lq, lk)  # (1, 1, Lq, Lk)
         keep = group_mask(keep, h, hkv, lq)
         if keep is not None:
-            scores = scores.masked_fill(~keep, float("-inf"))
+            scores = scores.masked_fill_(~keep, float("-inf"))
         weights = torch.softmax(scores, dim=-1)  # (B, Hkv, G*Lq, Lk)
+        del scores  # the one (B, H, Lq, Lk) tensor alive from here on is `weights`
         dropped = F.dropout(weights, p=call.dropout) if call.dropout > 0 else weights
         out = ungroup(torch.matmul(dropped, v), h)  # (B, H, Lq, Dv)
         out = zero_dead_rows(out, m.row_ok)

@@ -1,0 +1,258 @@
+"""The fast paths (sdpa, math, flex, the fused module) against attention_reference, and their memory.
+
+Dimensions: B batch, H heads, Hkv kv heads, Lq/Lk lengths, D head dim, E embed dim.
+Rule (flash-attention's): in float64 a fast path matches the reference tightly; in float32 its error
+against a float64 reference is at most 2x the float32 reference's own error.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import multihead as mh
+from multihead import backends, bench, cli
+from multihead.backends.flex import FlexBackend
+from multihead.functional import explain_backends, prepare
+
+
+def _qkv(b, h, hkv, lq, lk, d, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, lq, d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, hkv, lk, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, hkv, lk, d, generator=g, dtype=torch.float64)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def _masks(kind, b, h, lq, lk):
+    g = torch.Generator().manual_seed(1)
+    if kind == "none":
+        return {}
+    if kind == "causal":
+        return {"causal": True}
+    if kind == "mask":
+        return {"mask": torch.rand(b, 1, lq, lk, generator=g) > 0.3}
+    if kind == "bias":
+        return {"bias": torch.randn(h, lq, lk, generator=g, dtype=torch.float64)}
+    if kind == "valid_lens":  # the second batch row has no valid key: dead rows
+        return {"valid_lens": torch.tensor([max(1, lk - 2), 0][:b])}
+    if kind == "window+causal":
+        return {"mask": mh.masks.sliding_window(lq, lk, window=3), "causal": True}
+    raise AssertionError(kind)
+
+
+def _as(kwargs, dtype):
+    return {k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in kwargs.items()}
+
+
+def _check(fast, ref64, ref32=None):
+    """float64: tight; float32: error vs float64 at most 2x the reference's own (plus an ulp floor)."""
+    if ref32 is None:
+        torch.testing.assert_close(fast, ref64, rtol=1e-10, atol=1e-10)
+        return
+    own = (ref32.double() - ref64).abs().max().item()
+    err = (fast.double() - ref64).abs().max().item()
+    assert err <= 2 * own + 2e-6, f"fast path error {err:.3g} > 2x reference error {own:.3g}"
+
+
+def _run_backend(name, q, k, v, kw, weights=False):
+    if name == "flex-eager":  # FlexAttention's eager path: exercises the mask/bias plumbing on CPU
+        call = prepare(q, k, v, return_weights=weights, **kw)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return FlexBackend(compiled=False)(call)[0]
+    res = mh.attention(q, k, v, backend=name, return_weights=weights, **kw)
+    return res
+
+
+MASK_KINDS = ["none", "causal", "mask", "bias", "valid_lens", "window+causal"]
+
+
+@pytest.mark.parametrize("kind", MASK_KINDS)
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("backend", ["sdpa", "math", "flex-eager"])
+@pytest.mark.parametrize("shape", [(2, 1, 1, 8), (2, 9, 9, 59), (1, 5, 17, 16)], ids=["L1", "L9-D59", "Lq5-Lk17"])
+def test_backend_matches_reference(backend, heads, kind, shape):
+    b, lq, lk, d = shape
+    h, hkv = heads
+    if backend == "flex-eager" and kind in ("none", "causal"):
+        reasons = FlexBackend(compiled=False).why_not(prepare(*_qkv(b, h, hkv, lq, lk, d, torch.float32)))
+        assert any("no mask or bias" in r for r in reasons)
+        return
+    kw = _masks(kind, b, h, lq, lk)
+    q, k, v = _qkv(b, h, hkv, lq, lk, d, torch.float64)
+    ref64 = mh.attention_reference(q, k, v, **kw)
+    _check(_run_backend(backend, q, k, v, kw), ref64)
+    q32, k32, v32 = (t.float() for t in (q, k, v))
+    kw32 = _as(kw, torch.float32)
+    ref32 = mh.attention_reference(q32, k32, v32, **kw32)
+    _check(_run_backend(backend, q32, k32, v32, kw32), ref64, ref32)
+
+
+@pytest.mark.parametrize("kind", ["none", "causal", "bias", "valid_lens"])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
+def test_weights_path_one_pass_matches_reference(heads, kind):
+    h, hkv = heads
+    q, k, v = _qkv(2, h, hkv, 7, 7, 12, torch.float64)
+    kw = _masks(kind, 2, h, 7, 7)
+    out, w = mh.attention(q, k, v, return_weights=True, **kw)
+    ref_out, ref_w = mh.attention_reference(q, k, v, return_weights=True, **kw)
+    _check(out, ref_out)
+    _check(w, ref_w)
+    q32, k32, v32 = (t.float() for t in (q, k, v))
+    out32, w32 = mh.attention(q32, k32, v32, return_weights=True, **_as(kw, torch.float32))
+    r32 = mh.attention_reference(q32, k32, v32, return_weights=True, **_as(kw, torch.float32))
+    _check(out32, ref_out, r32.output)
+    _check(w32, ref_w, r32.weights)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "math"])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_backend_gradients_match_reference(backend, heads, causal):
+    h, hkv = heads
+    ins = [t.requires_grad_() for t in _qkv(2, h, hkv, 11, 11, 8, torch.float64)]
+    mh.attention(*ins, causal=causal, backend=backend).square().sum().backward()
+    fast = [t.grad.clone() for t in ins]
+    for t in ins:
+        t.grad = None
+    mh.attention_reference(*ins, causal=causal).square().sum().backward()
+    for f, t in zip(fast, ins):
+        _check(f, t.grad)
+
+
+def test_auto_picks_fused_kernels_and_explains():
+    q, k, v = _qkv(1, 4, 2, 6, 6, 8, torch.float32)
+    assert backends.select(prepare(q, k, v, causal=True)).name == "sdpa"
+    assert backends.select(prepare(q, k, v, return_weights=True)).name == "math"
+    why = explain_backends(q, k, v, mask=mh.masks.sliding_window(6, window=2))
+    assert why["sdpa"] == [] and any("CUDA only" in r for r in why["flex"])
+
+
+# ----------------------------------------------------------------------------------------------
+# The module: fused projections, no copies, exact against a plain composition
+# ----------------------------------------------------------------------------------------------
+
+
+def _module_reference(m, x, **kw):
+    """Plain composition: three projections, attention_reference, output projection."""
+    (wq, wk, wv), (bq, bk, bv) = m.proj_weights(), m.proj_biases()
+    q = F.linear(x, wq, bq).unflatten(-1, (m.num_heads, -1)).transpose(1, 2)  # (B, H, L, Dk)
+    k = F.linear(x, wk, bk).unflatten(-1, (m.kv_heads, -1)).transpose(1, 2)  # (B, Hkv, L, Dk)
+    v = F.linear(x, wv, bv).unflatten(-1, (m.kv_heads, -1)).transpose(1, 2)  # (B, Hkv, L, Dv)
+    res = mh.attention_reference(q, k, v, **kw)
+    out, w = res if isinstance(res, mh.AttentionOutput) else (res, None)
+    y = m.out_proj(out.transpose(1, 2).flatten(2))  # (B, L, E)
+    return y if w is None else (y, w)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+@pytest.mark.parametrize("kind", ["none", "causal", "valid_lens"])
+def test_module_fast_path_matches_plain_composition(kv_heads, kind):
+    torch.manual_seed(0)
+    m = mh.MultiHeadAttention(32, 4, kv_heads=kv_heads, dtype=torch.float64).eval()
+    x = torch.randn(2, 9, 32, dtype=torch.float64)
+    kw = _masks(kind, 2, 4, 9, 9)
+    _check(m(x, **kw), _module_reference(m, x, **kw))
+    y, w = m(x, return_weights=True, **kw)
+    ry, rw = _module_reference(m, x, return_weights=True, **kw)
+    _check(y, ry)
+    _check(w, rw)
+
+
+def test_module_matches_torch_fast_path_in_float32():
+    torch.manual_seed(0)
+    t = torch.nn.MultiheadAttention(64, 8, batch_first=True).eval()
+    m = mh.MultiHeadAttention.from_torch(t).eval()
+    x = torch.randn(3, 10, 64)
+    with torch.no_grad():
+        ref64 = mh.MultiHeadAttention.from_torch(t.double())(x.double())
+        _check(m(x), ref64, t.float()(x, x, x, need_weights=False)[0])
+
+
+class _Recorder(TorchDispatchMode):
+    """Records every aten op and the largest tensor each one returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        size = max((o.numel() for o in outs if isinstance(o, torch.Tensor)), default=0)
+        self.ops.append((func.__name__, size))
+        return out
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+@pytest.mark.parametrize("causal", [False, True])
+def test_self_attention_forward_makes_no_copies(kv_heads, causal):
+    m = mh.MultiHeadAttention(64, 4, kv_heads=kv_heads).eval()
+    x = torch.randn(2, 16, 64)
+    with torch.no_grad(), _Recorder() as rec:
+        m(x, causal=causal)
+    names = [n.split(".")[0] for n, _ in rec.ops]
+    assert names.count("addmm") == 2  # one fused QKV projection, one output projection
+    assert not {"clone", "copy_", "contiguous", "repeat_interleave", "cat", "_to_copy"} & set(names), names
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory: no Lq x Lk tensor without weights, forward or backward
+# ----------------------------------------------------------------------------------------------
+
+
+def _largest(fn):
+    with _Recorder() as rec:
+        fn()
+    return max(size for _, size in rec.ops)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 1])
+def test_no_lq_by_lk_tensor_forward_or_backward(kv_heads):
+    b, n, e, h = 1, 512, 32, 4
+    lxl = n * n  # a single head's (Lq, Lk) scores; the (B, H, L, E) tensors are far smaller
+    m = mh.MultiHeadAttention(e, h, kv_heads=kv_heads)
+    x = torch.randn(b, n, e, requires_grad=True)
+    assert _largest(lambda: m(x, causal=True).sum().backward()) < lxl
+    with torch.no_grad():
+        assert _largest(lambda: m(x)) < lxl
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        m(x, valid_lens=torch.tensor([300]))
+    assert max(saved) < lxl
+    # the detector can fail: the weights path does hold (B, H, Lq, Lk)
+    with torch.no_grad():
+        assert _largest(lambda: m(x, return_weights=True)) >= b * h * lxl
+
+
+# ----------------------------------------------------------------------------------------------
+# The benchmark: one smoke run at tiny shapes
+# ----------------------------------------------------------------------------------------------
+
+
+def test_bench_quick_smoke(tmp_path, capsys):
+    assert cli.main(["bench", "--quick", "--no-progress", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "cpu-quick.json").read_text())
+    assert report["quick"] and len(report["cases"]) == len(bench.cpu_suite(quick=True))
+    for case in report["cases"]:
+        assert case["results"]["multihead"]["status"] == "ok", case["name"]
+        assert case["results"]["multihead"]["median_s"] > 0
+        assert len(case["checks"]) == len(case["targets"])
+    md = (tmp_path / "cpu-quick.md").read_text()
+    assert "| case | contender |" in md and "| case | target |" in md
+    assert (tmp_path / "cpu-quick.png").stat().st_size > 1000
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_bench_flops_formula():
+    case = bench.Case("x", 8, 512, 512, 8)
+    proj, attn = 2 * 8 * 512 * 512 * 3 * 512 + 2 * 8 * 512 * 512 * 512, 4 * 8 * 8 * 512 * 512 * 64
+    assert bench.flops(case) == proj + attn
+    assert bench.flops(bench.Case("x", 8, 512, 512, 8, causal=True)) == proj + attn / 2
+    assert bench.flops(bench.Case("x", 8, 512, 512, 8, mode="train")) == 3 * proj + 3.5 * attn

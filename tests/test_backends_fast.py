@@ -47,7 +47,9 @@ def _masks(kind, b, h, lq, lk):
 
 
 def _as(kwargs, dtype):
-    return {k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in kwargs.items()}
+    return {
+        k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in kwargs.items()
+    }
 
 
 def _check(fast, ref64, ref32=None):
@@ -76,7 +78,9 @@ MASK_KINDS = ["none", "causal", "mask", "bias", "valid_lens", "window+causal"]
 @pytest.mark.parametrize("kind", MASK_KINDS)
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("backend", ["sdpa", "math", "flex-eager"])
-@pytest.mark.parametrize("shape", [(2, 1, 1, 8), (2, 9, 9, 59), (1, 5, 17, 16)], ids=["L1", "L9-D59", "Lq5-Lk17"])
+@pytest.mark.parametrize(
+    "shape", [(2, 1, 1, 8), (2, 9, 9, 59), (1, 5, 17, 16)], ids=["L1", "L9-D59", "Lq5-Lk17"]
+)
 def test_backend_matches_reference(backend, heads, kind, shape):
     b, lq, lk, d = shape
     h, hkv = heads

@@ -16,13 +16,7 @@ def _mha(heads=4, kv_heads=None, rotary=False, dtype=torch.float32, seed=0, embe
     return mh.MultiHeadAttention(embed, heads, kv_heads=kv_heads, rotary=rotary, dtype=dtype).eval()
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These tests run many tiny ops: one intra-op thread per xdist worker avoids oversubscribing cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # many tiny ops: see conftest.py
 
 
 # ----------------------------------------------------------------------------------------------

@@ -38,13 +38,7 @@ def _tokens(b, n, vocab=11, low=3, seed=1):
     return torch.randint(low, vocab, (b, n), generator=g)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These tests run many tiny ops: one intra-op thread per xdist worker avoids oversubscribing cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # many tiny ops: see conftest.py
 
 
 # ----------------------------------------------------------------------------------------------

@@ -63,6 +63,9 @@ class MultiHeadAttention(nn.Module):
     ``AttentionOutput(output, weights (B, H, Lq, Lk))`` with ``return_weights=True``.
 
     ``backend`` (attribute, default ``"auto"``) is passed to :func:`multihead.attention`.
+    ``process_group`` (attribute, default ``None``): a ``torch.distributed`` group; when set, the inputs
+    are this rank's shards of the sequences and attention is exact ring attention over the group (set it
+    with :func:`multihead.distributed.use_process_group`).
     """
 
     def __init__(
@@ -103,6 +106,7 @@ class MultiHeadAttention(nn.Module):
         self.out_dim = _positive_int("out_dim", embed_dim if out_dim is None else out_dim)
         self.dropout = check_dropout(dropout)
         self.backend = "auto"
+        self.process_group = None  # torch.distributed group: sequences are sharded, see multihead.distributed
 
         nq, nk, nv = self._proj_sizes()
         self._qkv_same_embed_dim = self.kdim == self.embed_dim and self.vdim == self.embed_dim
@@ -263,7 +267,12 @@ class MultiHeadAttention(nn.Module):
 
         q, k, v = self.project(query, key, value)  # (B, H, Lq, Dk), (B, Hkv, Lk, Dk), (B, Hkv, Lk, Dv)
         inspector = _inspect.current()
-        res = attention(
+        attend = attention
+        if self.process_group is not None:  # sharded sequences: exact ring attention over the group
+            from .distributed import module_attention
+
+            attend = module_attention(self)
+        res = attend(
             q,
             k,
             v,

@@ -89,8 +89,8 @@ def _sync(device: torch.device) -> None:
 
 def rank_job(cfg: dict, total: int, single: bool) -> dict:
     """One fwd+bwd timing and memory measurement on this rank (``single``: plain multihead.attention)."""
-    torch.set_num_threads(cfg["threads"])
     rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(cfg["threads"] or max(1, (os.cpu_count() or 1) // world))
     device = torch.device("cpu")
     if dist.get_backend() == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
@@ -123,7 +123,13 @@ def rank_job(cfg: dict, total: int, single: bool) -> dict:
     dist.barrier()
     with _PeakMemory(device) as mem:
         step()
-    return {"rank": rank, "tokens": lr, "seconds": statistics.median(times), "peak_bytes": mem.peak}
+    return {
+        "rank": rank,
+        "tokens": lr,
+        "threads": torch.get_num_threads(),
+        "seconds": statistics.median(times),
+        "peak_bytes": mem.peak,
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -275,7 +281,7 @@ def main() -> None:
     parser.add_argument("--layout", default="zigzag", choices=mhd.LAYOUTS)
     parser.add_argument("--no-causal", dest="causal", action="store_false")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: CPUs // ranks)")
     parser.add_argument("--name", default="ring_cpu", help="results file stem under benchmarks/results/")
     cfg = vars(parser.parse_args())
     # glibc: hand every block >= 64 KiB straight back to the kernel, so the resident set follows the live

@@ -32,7 +32,7 @@ def demo(seq_len: int, layout: str, check: bool) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cpu")
     if dist.get_backend() == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+        device = torch.device("cuda", torch.cuda.current_device())  # set by launch / main below
     torch.manual_seed(0)  # the same weights and the same input on every rank
     mha = mh.MultiHeadAttention(64, 8, kv_heads=2, device=device)
     x = torch.randn(2, seq_len, 64, device=device)  # (B, L, E), the whole sequence
@@ -75,6 +75,8 @@ def main() -> None:
     args = parser.parse_args()
     job = (args.seq_len, args.layout, not args.no_check)
     if args.torchrun:
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         reports = [None] * dist.get_world_size()
         dist.all_gather_object(reports, demo(*job))
@@ -82,7 +84,8 @@ def main() -> None:
         if int(os.environ.get("RANK", 0)) != 0:
             return
     else:
-        reports = mhd.launch(demo, args.world, job, timeout=600)
+        backend = "nccl" if torch.cuda.device_count() >= args.world else "gloo"
+        reports = mhd.launch(demo, args.world, job, backend=backend, timeout=600)
     for r in reports:
         print(", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
 

@@ -26,7 +26,7 @@ TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: None}
 
 def _case(name, **kw):
     spec = dict(b=2, h=4, hkv=4, lq=12, lk=None, dk=8, dv=None, causal=False, layout="contiguous")
-    spec.update(valid=None, key_mask=False, dtype=torch.float32, seed=len(name))
+    spec.update(valid=None, key_mask=False, dtype=torch.float32, seed=sum(map(ord, name)))
     spec.update(kw, name=name)
     return spec
 
@@ -167,6 +167,8 @@ def _error_cases(rank, world):
     attempt("one-rank-bad", lambda: mhd.ring_attention(q, bad_k, q))
     heads = torch.randn(1, 2 + (rank == 0) * 2, 3, 4)  # valid locally, different across ranks
     attempt("heads-differ", lambda: mhd.ring_attention(heads, heads, heads))
+    empty = torch.randn(1, 2, 0 if rank == 1 else 3, 4)  # a rank without tokens
+    attempt("empty-rank", lambda: mhd.ring_attention(empty, empty, empty))
     attempt("bias", lambda: mhd.sharded_attention(q, q, q, group=None, bias=torch.zeros(3, 3)))
     attempt(
         "mask", lambda: mhd.sharded_attention(q, q, q, group=None, mask=torch.ones(3, 3, dtype=torch.bool))
@@ -227,6 +229,7 @@ def test_two_ranks():
     for e in (e0, e1):
         assert e["zigzag-lengths"][0] == "ValueError" and "expects local lengths" in e["zigzag-lengths"][1]
         assert e["heads-differ"][0] == "ValueError" and "same H" in e["heads-differ"][1]
+        assert e["empty-rank"][0] == "ValueError" and "at least one query" in e["empty-rank"][1]
         assert e["bias"][0] == "ValueError" and "bias" in e["bias"][1]
         assert e["mask"][0] == "ValueError" and "key-padding mask" in e["mask"][1]
         assert e["after"] is None

@@ -73,6 +73,9 @@ class MultiHeadAttention(nn.Module):
     key/value projection is skipped.
 
     ``backend`` (attribute, default ``"auto"``) is passed to :func:`multihead.attention`.
+    ``process_group`` (attribute, default ``None``): a ``torch.distributed`` group; when set, the inputs
+    are this rank's shards of the sequences and attention is exact ring attention over the group (set it
+    with :func:`multihead.distributed.use_process_group`).
     """
 
     def __init__(
@@ -115,6 +118,7 @@ class MultiHeadAttention(nn.Module):
         self.dropout = check_dropout(dropout)
         self.backend = "auto"
         self.rotary = RotaryEmbedding(self.head_dim) if rotary else None
+        self.process_group = None  # torch.distributed group: sequences are sharded, see multihead.distributed
 
         nq, nk, nv = self._proj_sizes()
         self._qkv_same_embed_dim = self.kdim == self.embed_dim and self.vdim == self.embed_dim
@@ -277,11 +281,23 @@ class MultiHeadAttention(nn.Module):
         if cache is not None and cache.static and cache.keys is not None:  # K/V of this source are cached
             key, value = key[:, :0], value[:, :0]  # (B, 0, kdim), (B, 0, vdim): nothing left to project
 
+        if self.process_group is not None and (cache is not None or self.rotary is not None):
+            raise ValueError(
+                "a module with a process_group (ring attention over sharded sequences) cannot use "
+                f"{'a KV cache' if cache is not None else 'rotary=True'}: positions and cached keys are "
+                "per rank; decode in a single process (use_process_group(model, None)) and add positions "
+                "by global index before sharding (see docs/distributed.md)"
+            )
         q, k, v = self.project(query, key, value)  # (B, H, Lq, Dk), (B, Hkv, Lk, Dk), (B, Hkv, Lk, Dv)
         if cache is not None or self.rotary is not None:
             q, k, v = self._rotate_and_cache(q, k, v, cache)
         inspector = _inspect.current()
-        res = attention(
+        attend = attention
+        if self.process_group is not None:  # sharded sequences: exact ring attention over the group
+            from .distributed import module_attention
+
+            attend = module_attention(self)
+        res = attend(
             q,
             k,
             v,

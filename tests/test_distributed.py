@@ -1,0 +1,355 @@
+"""Ring attention over torch.distributed, checked against single-process multihead.attention.
+
+Every check that needs several processes runs inside ONE spawned job per world size (process start-up
+dominates the cost); the job returns the errors it measured and the tests here assert on them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import multihead as mh
+from multihead import distributed as mhd
+
+# Max abs error vs single-process multihead.attention in the same dtype: the issue's 1e-5 in fp32; in
+# fp64 the merge is exact and only rounding differs. bf16 is held to the 2x rule below alone.
+TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: None}
+
+
+def _case(name, **kw):
+    spec = dict(b=2, h=4, hkv=4, lq=12, lk=None, dk=8, dv=None, causal=False, layout="contiguous")
+    spec.update(valid=None, key_mask=False, dtype=torch.float32, seed=sum(map(ord, name)))
+    spec.update(kw, name=name)
+    return spec
+
+
+CASES = [
+    _case("plain"),
+    _case("causal", causal=True),
+    _case("causal-zigzag", causal=True, layout="zigzag", lq=16),
+    _case("causal-striped", causal=True, layout="striped", lq=16),
+    _case("gqa-causal-zigzag", h=4, hkv=2, causal=True, layout="zigzag", lq=16, dv=6),
+    _case("mqa", h=4, hkv=1, dk=5),
+    _case("uneven-contiguous", causal=True, lq=13),
+    _case("uneven-zigzag", causal=True, layout="zigzag", lq=13, h=6, hkv=3),
+    _case("uneven-striped", layout="striped", lq=11),
+    _case("valid-lens", causal=True, layout="zigzag", valid="B"),
+    _case("valid-lens-rows", valid="BL", lq=13),
+    _case("key-mask", causal=True, layout="zigzag", key_mask=True, lq=16, hkv=2),
+    _case("cross-causal", lq=8, lk=12, causal=True, dv=4),
+    _case("cross-long-queries", lq=12, lk=8, causal=True),
+    _case("float64", causal=True, layout="zigzag", hkv=2, dtype=torch.float64),
+    _case("bfloat16", causal=True, layout="zigzag", hkv=2, lq=16, dtype=torch.bfloat16),
+]
+
+
+def _inputs(c):
+    """Full-sequence inputs of a case (identical on every rank: same seed)."""
+    g = torch.Generator().manual_seed(c["seed"])
+    b, h, hkv, lq, dk = c["b"], c["h"], c["hkv"], c["lq"], c["dk"]
+    lk, dv = c["lk"] or lq, c["dv"] or dk
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    q, k, v, gout = rnd(b, h, lq, dk), rnd(b, hkv, lk, dk), rnd(b, hkv, lk, dv), rnd(b, h, lq, dv)
+    kw = {"causal": c["causal"]}
+    if c["valid"] == "B":  # batch row 1: no valid key at all -> dead rows
+        kw["valid_lens"] = torch.tensor([lk // 2 + 1, 0])
+    elif c["valid"] == "BL":
+        kw["valid_lens"] = torch.randint(0, lk + 1, (b, lq), generator=g)
+    keep = None
+    if c["key_mask"]:
+        keep = torch.rand(b, lk, generator=g) > 0.4
+        keep[1, : lk // 2] = False  # early queries of batch 1 see no key under the causal mask
+    return (q, k, v, gout), kw, keep
+
+
+def _reference(q, k, v, gout, kw, keep, dtype, fn):
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    mask = None if keep is None else mh.masks.key_padding(keep)
+    out = fn(*leaves, mask=mask, **kw)
+    (out * gout.to(dtype)).sum().backward()
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+def _ring_case(c, rank, world):
+    (q, k, v, gout), kw, keep = _inputs(c)
+    dtype, layout = c["dtype"], c["layout"]
+    want = _reference(q, k, v, gout, kw, keep, dtype, mh.attention)
+    exact = _reference(q, k, v, gout, kw, keep, torch.float64, mh.attention_reference)
+    own = _reference(q, k, v, gout, kw, keep, dtype, mh.attention_reference)
+
+    def cut(t, dim=2):
+        return mhd.shard(t, dim, rank, world, layout)
+
+    local = [cut(t).to(dtype).requires_grad_() for t in (q, k, v)]
+    lkw = dict(kw)
+    if kw.get("valid_lens") is not None and kw["valid_lens"].dim() == 2:
+        lkw["valid_lens"] = cut(kw["valid_lens"], 1)
+    key_mask = None if keep is None else cut(keep, 1)
+    out = mhd.ring_attention(*local, layout=layout, key_mask=key_mask, **lkw)
+    (out * cut(gout).to(dtype)).sum().backward()
+    got = [out.detach()] + [t.grad for t in local]
+    names = ("out", "dq", "dk", "dv")
+    res = {n: float((g - cut(w)).abs().max()) for n, g, w in zip(names, got, want)}
+    # the flash-attention rule: error vs an fp64 oracle at most 2x the fp32 reference's own error
+    res.update({f"{n}_vs64": float((g.double() - cut(e)).abs().max()) for n, g, e in zip(names, got, exact)})
+    res.update({f"{n}_ref64": float((w.double() - e).abs().max()) for n, w, e in zip(names, own, exact)})
+    res.update({f"{n}_mag": float(cut(e).abs().max()) for n, e in zip(names, exact)})
+    res["finite"] = all(bool(torch.isfinite(t).all()) for t in got)
+    res["gathered"] = float((mhd.gather_sequence(out.detach(), 2, layout=layout) - want[0]).abs().max())
+    return res
+
+
+class _CausalStack(nn.Module):
+    """Two attention layers, as another engineer's Transformer would nest them."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([mh.MultiHeadAttention(16, 4, kv_heads=2) for _ in range(2)])
+
+    def forward(self, x, mask=None):
+        for blk in self.blocks:
+            x = x + blk(x, causal=True, mask=mask)
+        return x
+
+
+def _module_case(rank, world):
+    torch.manual_seed(0)
+    model = _CausalStack()
+    x, gy = torch.randn(2, 12, 16), torch.randn(2, 12, 16)
+    keep = torch.ones(2, 12, dtype=torch.bool)
+    keep[1, 9:] = False
+    xr = x.clone().requires_grad_()
+    (model(xr, mh.masks.key_padding(keep)) * gy).sum().backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+
+    names = mhd.use_process_group(model, dist.group.WORLD, layout="zigzag")
+
+    def cut(t):
+        return mhd.shard(t, 1, rank, world, "zigzag")
+
+    xl = cut(x).requires_grad_()
+    y = model(xl, mh.masks.key_padding(cut(keep)))
+    (y * cut(gy)).sum().backward()
+    errs = {"names": names, "x": float((xl.grad - cut(xr.grad)).abs().max())}
+    for n, p in model.named_parameters():
+        dist.all_reduce(p.grad)  # data-parallel style: parameter grads summed over the ranks
+        errs[n] = float((p.grad - want[n]).abs().max())
+    return errs
+
+
+def _error_cases(rank, world):
+    """Bad calls must raise on every rank (none hangs); the group stays usable afterwards."""
+    caught = {}
+
+    def attempt(name, fn):
+        try:
+            fn()
+            caught[name] = None
+        except Exception as exc:  # noqa: BLE001 -- recorded and asserted by the test
+            caught[name] = (type(exc).__name__, str(exc))
+
+    q = torch.randn(1, 2, 3, 4)
+    odd = torch.randn(1, 2, 5 if rank == 0 else 3, 4)  # lengths no zigzag cut produces
+    attempt("zigzag-lengths", lambda: mhd.ring_attention(odd, odd, odd, layout="zigzag"))
+    bad_k = torch.randn(1, 2, 3, 5) if rank == 1 else q  # only rank 1 is wrong
+    attempt("one-rank-bad", lambda: mhd.ring_attention(q, bad_k, q))
+    heads = torch.randn(1, 2 + (rank == 0) * 2, 3, 4)  # valid locally, different across ranks
+    attempt("heads-differ", lambda: mhd.ring_attention(heads, heads, heads))
+    empty = torch.randn(1, 2, 0 if rank == 1 else 3, 4)  # a rank without tokens
+    attempt("empty-rank", lambda: mhd.ring_attention(empty, empty, empty))
+    attempt("bias", lambda: mhd.sharded_attention(q, q, q, group=None, bias=torch.zeros(3, 3)))
+    attempt(
+        "mask", lambda: mhd.sharded_attention(q, q, q, group=None, mask=torch.ones(3, 3, dtype=torch.bool))
+    )
+    fine = q.clone().requires_grad_()
+    attempt("after", lambda: mhd.ring_attention(fine, fine, fine, causal=True).sum().backward())
+    return caught
+
+
+def _job(cases, with_errors):
+    torch.set_num_threads(1)  # the ranks share the machine's cores
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {"errors": _error_cases(rank, world) if with_errors else {}, "module": _module_case(rank, world)}
+    out["cases"] = {c["name"]: _ring_case(c, rank, world) for c in cases}
+    return out
+
+
+def _worst(results, key):
+    return max(r[key] for r in results)
+
+
+def _case_failures(per_rank):
+    failures = []
+    for c in CASES:
+        res = [r["cases"][c["name"]] for r in per_rank]
+        tol, dtype = TOL[c["dtype"]], c["dtype"]
+        for key in ("out", "dq", "dk", "dv", "gathered"):
+            if tol is not None and _worst(res, key) > tol:
+                failures.append(f"{c['name']}: {key} off by {_worst(res, key):.3g} > {tol}")
+        for key in ("out", "dq", "dk", "dv") if dtype != torch.float64 else ():  # fp64 *is* the oracle
+            # The flash-attention rule: error vs an fp64 oracle at most 2x attention_reference's own in
+            # the same dtype. In fp32 both are a few ulps and the formula of the softmax backward alone
+            # (rowsum(dout * out), as every flash kernel has it) moves the max by ~2x, hence 2 ulps of
+            # the largest value on top there; bf16 gets the plain rule.
+            ring, ref = _worst(res, f"{key}_vs64"), _worst(res, f"{key}_ref64")
+            floor = 0.0 if dtype == torch.bfloat16 else 2 * torch.finfo(dtype).eps * _worst(res, f"{key}_mag")
+            if ring > 2 * ref + floor:
+                failures.append(f"{c['name']}: {key} error vs fp64 {ring:.3g} > 2 x reference's {ref:.3g}")
+        if not all(r["finite"] for r in res):
+            failures.append(f"{c['name']}: non-finite output or gradient")
+    for rank, r in enumerate(per_rank):  # MultiHeadAttention stack with use_process_group
+        assert r["module"].pop("names") == ["blocks.0", "blocks.1"]
+        failures += [
+            f"module {n} (rank {rank}): off by {e:.3g}"
+            for n, e in r["module"].items()
+            if e > TOL[torch.float32]
+        ]
+    return failures
+
+
+def test_two_ranks():
+    per_rank = mhd.launch(_job, 2, (CASES, True), timeout=150)
+    failures = _case_failures(per_rank)
+    assert not failures, "\n".join(failures)
+
+    # bad calls raise on every rank (none hangs), and the group stays usable afterwards
+    e0, e1 = (r["errors"] for r in per_rank)
+    for e in (e0, e1):
+        assert e["zigzag-lengths"][0] == "ValueError" and "expects local lengths" in e["zigzag-lengths"][1]
+        assert e["heads-differ"][0] == "ValueError" and "same H" in e["heads-differ"][1]
+        assert e["empty-rank"][0] == "ValueError" and "at least one query" in e["empty-rank"][1]
+        assert e["bias"][0] == "ValueError" and "bias" in e["bias"][1]
+        assert e["mask"][0] == "ValueError" and "key-padding mask" in e["mask"][1]
+        assert e["after"] is None
+    assert e1["one-rank-bad"][0] == "ValueError" and "head dim" in e1["one-rank-bad"][1]
+    assert e0["one-rank-bad"][0] == "RuntimeError" and "rank(s) [1]" in e0["one-rank-bad"][1]
+
+
+def test_four_ranks():
+    failures = _case_failures(mhd.launch(_job, 4, (CASES, False), timeout=150))
+    assert not failures, "\n".join(failures)
+
+
+# ------------------------------------------------------------------------------------------------
+# launch: no process outlives a failure
+# ------------------------------------------------------------------------------------------------
+
+
+def _fail_or_block(pid_dir):
+    with open(os.path.join(pid_dir, f"{dist.get_rank()}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    if dist.get_rank() == 0:
+        raise ValueError("rank 0 gives up")
+    dist.barrier()  # rank 1 would wait for rank 0 forever
+
+
+def _hang(pid_dir):
+    with open(os.path.join(pid_dir, f"{dist.get_rank()}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)
+
+
+def _assert_gone(pid_dir):
+    pids = [int(open(os.path.join(pid_dir, n)).read()) for n in os.listdir(pid_dir)]
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_launch_kills_every_rank_when_one_fails(tmp_path):
+    with pytest.raises(RuntimeError, match="rank 0 gives up"):
+        mhd.launch(_fail_or_block, 2, (str(tmp_path),), timeout=60)
+    _assert_gone(tmp_path)
+
+
+def test_launch_kills_every_rank_on_timeout(tmp_path):
+    with pytest.raises(TimeoutError, match="did not finish"):
+        mhd.launch(_hang, 1, (str(tmp_path),), timeout=5)
+    _assert_gone(tmp_path)
+
+
+# ------------------------------------------------------------------------------------------------
+# Single-process pieces
+# ------------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    total=st.integers(1, 40),
+    world=st.integers(1, 6),
+    layout=st.sampled_from(mhd.LAYOUTS),
+)
+def test_shard_unshard_round_trip(total, world, layout):
+    x = torch.arange(total * 2).view(2, total)  # (B, L)
+    parts = [mhd.shard(x, 1, r, world, layout) for r in range(world)]
+    assert sum(p.shape[1] for p in parts) == total
+    assert max(p.shape[1] for p in parts) - min(p.shape[1] for p in parts) <= 2
+    assert torch.equal(mhd.unshard(parts, 1, layout), x)
+    for p in parts:  # positions ascend within a shard (the causal block trimming relies on it)
+        assert bool((p[0].diff() > 0).all())
+
+
+def test_zigzag_picture():
+    x = torch.arange(8)
+    assert mhd.shard(x, 0, 0, 2, "zigzag").tolist() == [0, 1, 6, 7]
+    assert mhd.shard(x, 0, 1, 2, "zigzag").tolist() == [2, 3, 4, 5]
+    assert mhd.shard(x, 0, 1, 2, "striped").tolist() == [1, 3, 5, 7]
+
+
+def test_bad_arguments_are_named():
+    x = torch.zeros(4)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        mhd.shard(x, 0, 0, 2, "random")
+    with pytest.raises(ValueError, match="rank < world"):
+        mhd.shard(x, 0, 2, 2)
+    with pytest.raises(ValueError, match="expects local lengths"):
+        mhd.unshard([x[:3], x[:1]], 0, "zigzag")
+    with pytest.raises(ValueError, match="no multihead.MultiHeadAttention"):
+        mhd.use_process_group(nn.Linear(2, 2), None)
+
+
+def test_needs_an_initialized_group():
+    q = torch.randn(1, 1, 2, 4)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        mhd.ring_attention(q, q, q)
+
+
+def test_use_process_group_none_restores_single_process():
+    model = _CausalStack()
+    x = torch.randn(1, 5, 16)
+    before = model(x)
+    mhd.use_process_group(model, None)
+    assert all(b.process_group is None for b in model.blocks)
+    torch.testing.assert_close(model(x), before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_zigzag_balances_causal_work(world):
+    total = 16 * world  # divisible by 2P: every zigzag rank gets the same work
+    contiguous, zigzag = mhd.causal_work(total, world, "contiguous"), mhd.causal_work(total, world, "zigzag")
+    assert len(set(zigzag)) == 1
+    assert max(contiguous) == world * min(contiguous)  # the last rank attends to everything
+    assert sum(zigzag) <= sum(contiguous)
+    assert mhd.causal_work(8, 2, "contiguous") == [16, 32] and mhd.causal_work(8, 2, "zigzag") == [24, 24]
+
+
+@pytest.mark.parametrize("what", ["cache", "rotary"])
+def test_process_group_rejects_rank_local_positions(what):
+    """Rotary positions and a KV cache are per rank: with a process group they are refused, not wrong."""
+    mha = mh.MultiHeadAttention(16, 2, rotary=what == "rotary")
+    mha.process_group = object()  # any group: the check comes before any communication
+    kw = {"cache": mh.KVCache()} if what == "cache" else {}
+    with pytest.raises(ValueError, match="process_group.*cannot use"):
+        mha(torch.randn(1, 4, 16), causal=True, **kw)

@@ -260,3 +260,47 @@ def test_bench_flops_formula():
     assert bench.flops(case) == proj + attn
     assert bench.flops(bench.Case("x", 8, 512, 512, 8, causal=True)) == proj + attn / 2
     assert bench.flops(bench.Case("x", 8, 512, 512, 8, mode="train")) == 3 * proj + 3.5 * attn
+
+
+@pytest.mark.parametrize("block_bytes", [1, 300])
+@pytest.mark.parametrize("kind", MASK_KINDS)
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+def test_blocked_inference_path_matches_reference(monkeypatch, heads, kind, block_bytes):
+    """The math backend's cache-blocked path (inference, large scores) on tiny blocks: one (batch,
+    kv head) pair per block, and a few kv heads per block."""
+    from multihead.backends import math as math_backend
+
+    monkeypatch.setattr(math_backend, "BLOCK_BYTES", block_bytes)
+    h, hkv = heads
+    q, k, v = _qkv(2, h, hkv, 6, 9 if kind != "causal" and "window" not in kind else 6, 8, torch.float64)
+    lk = k.shape[2]
+    kw = _masks(kind, 2, h, 6, lk)
+    call = prepare(q, k, v, return_weights=True, **kw)
+    assert math_backend._blocked(call, q, k, v)  # the path under test is taken
+    with torch.no_grad():
+        out, w = mh.attention(q, k, v, backend="math", return_weights=True, **kw)
+    ref_out, ref_w = mh.attention_reference(q, k, v, return_weights=True, **kw)
+    _check(out, ref_out)
+    _check(w, ref_w)
+    q32, k32, v32 = (t.float() for t in (q, k, v))
+    with torch.no_grad():
+        out32, w32 = mh.attention(
+            q32, k32, v32, backend="math", return_weights=True, **_as(kw, torch.float32)
+        )
+    r32 = mh.attention_reference(q32, k32, v32, return_weights=True, **_as(kw, torch.float32))
+    _check(out32, ref_out, r32.output)
+    _check(w32, ref_w, r32.weights)
+
+
+def test_blocked_path_is_not_taken_when_autograd_records(monkeypatch):
+    from multihead.backends import math as math_backend
+
+    monkeypatch.setattr(math_backend, "BLOCK_BYTES", 1)
+    q, k, v = _qkv(1, 2, 2, 4, 4, 8, torch.float64)
+    q.requires_grad_(True)
+    call = prepare(q, k, v, return_weights=True)
+    assert not math_backend._blocked(call, q, k, v)
+    out = mh.attention(q, k, v, backend="math")
+    (g,) = torch.autograd.grad(out.sum(), q)
+    (g_ref,) = torch.autograd.grad(mh.attention_reference(q, k, v).sum(), q)
+    torch.testing.assert_close(g, g_ref)

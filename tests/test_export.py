@@ -61,3 +61,17 @@ def test_to_onnx_rejects_non_tensor_inputs(tmp_path):
 def test_cli_exports_the_transformer(tmp_path):
     argv, _ = _cli_args(out=tmp_path / "t.onnx", model="transformer")
     assert cli.main(argv) == 0
+
+
+def test_d2l_layer_with_float_valid_lens_exports(tmp_path):
+    """DJL passes valid_lens as float (seed 003): the export keeps its batch axis dynamic and verifies."""
+    from multihead.compat.d2l import MultiHeadAttention as D2L
+
+    torch.manual_seed(0)
+    att = D2L(100, 100, 100, 100, 5, 0.5).eval()
+    x, y = torch.randn(2, 4, 100), torch.randn(2, 6, 100)
+    report = export.to_onnx(
+        att, (x, y, y), tmp_path / "d2l.onnx", example_kwargs={"valid_lens": torch.tensor([3.0, 2.0])}
+    )
+    assert report.max_error <= 1e-5
+    assert [s[0] for s in report.shapes] == [2, 3, 4]  # verified at three batch sizes

@@ -45,9 +45,17 @@ class _Positional(nn.Module):
         return out.output if hasattr(out, "output") else out  # AttentionOutput -> its output
 
 
-def _dynamic_axes(t: Tensor) -> list[int]:
-    """Axes to export as dynamic: all but a float tensor's feature axis, and none of size 1."""
-    last = t.dim() - 1 if t.is_floating_point() else t.dim()
+def _is_counts(name: str) -> bool:
+    """``valid_lens`` style inputs hold counts, even as floats (d2l/DJL pass them as float)."""
+    return name.endswith("valid_lens")
+
+
+def _dynamic_axes(t: Tensor, *, counts: bool = False) -> list[int]:
+    """Axes to export as dynamic: all but a float tensor's feature axis, and none of size 1.
+
+    ``counts``: ``t`` holds lengths (``valid_lens``): every axis is dynamic whatever its dtype.
+    """
+    last = t.dim() - 1 if t.is_floating_point() and not counts else t.dim()
     return [a for a in range(last) if t.shape[a] != 1]
 
 
@@ -130,8 +138,8 @@ def to_onnx(
     wrapper = _Positional(module, len(args), list(kwargs)).eval()
     tensors = (*args, *kwargs.values())
     auto = torch.export.Dim.AUTO
-    dynamic = tuple({a: auto for a in _dynamic_axes(t)} for t in tensors)
     names = _input_names(module, len(args), list(kwargs))
+    dynamic = tuple({a: auto for a in _dynamic_axes(t, counts=_is_counts(n))} for n, t in zip(names, tensors))
     with torch.no_grad():
         torch.onnx.export(
             wrapper,
@@ -153,17 +161,20 @@ def to_onnx(
     return report
 
 
-def _resized(t: Tensor, db: int, dl: int, gen: torch.Generator) -> Tensor:
-    """A fresh input like ``t`` with batch + db and every other dynamic axis + dl."""
+def _resized(t: Tensor, db: int, dl: int, gen: torch.Generator, *, counts: bool = False) -> Tensor:
+    """A fresh input like ``t`` with batch + db and every other dynamic axis + dl.
+
+    Integer inputs and ``counts`` (lengths, any dtype) are drawn within ``t``'s value range.
+    """
     shape = list(t.shape)
-    for a in _dynamic_axes(t):
+    for a in _dynamic_axes(t, counts=counts):
         shape[a] += db if a == 0 else dl
-    if t.is_floating_point():
+    if t.is_floating_point() and not counts:
         return torch.randn(shape, generator=gen, dtype=t.dtype)
     if t.dtype == torch.bool:
         return torch.rand(shape, generator=gen) > 0.3
     lo, hi = (int(t.min()), int(t.max())) if t.numel() else (0, 1)
-    return torch.randint(lo, hi + 1, shape, generator=gen, dtype=t.dtype)
+    return torch.randint(lo, hi + 1, shape, generator=gen).to(t.dtype)
 
 
 def verify_onnx(
@@ -192,8 +203,10 @@ def verify_onnx(
     worst, shapes = 0.0, []
     for db, dl in ((0, 0), *VERIFY_DELTAS):
         fresh: dict[int, Tensor] = {}  # one new tensor per example object: `key is value` stays true
-        for t in example:
-            fresh.setdefault(id(t), t if (db, dl) == (0, 0) else _resized(t, db, dl, gen))
+        for n, t in zip(names, example):
+            fresh.setdefault(
+                id(t), t if (db, dl) == (0, 0) else _resized(t, db, dl, gen, counts=_is_counts(n))
+            )
         tensors = tuple(fresh[id(t)] for t in example)
         with torch.no_grad():
             eager = wrapper(*tensors).numpy()

@@ -34,21 +34,84 @@ class MathBackend:
         # Scaling q (B*H*Lq*Dk products) is cheaper than scaling the scores (B*H*Lq*Lk), and its
         # contiguous result makes the grouping below a view.
         qg = group_queries(q * call.scale, hkv)  # (B, Hkv, G*Lq, Dk)
-        scores = torch.matmul(qg, k.transpose(-2, -1))  # (B, Hkv, G*Lq, Lk), a fresh tensor
-        bias = group_mask(m.bias, h, hkv, lq)
-        if bias is not None:
-            scores = scores.add_(bias)  # in place: matmul's backward does not need its output
+        bias = group_mask(m.bias, h, hkv, lq)  # (B|1, Hkv|1, G*Lq|1, Lk|1)
         keep = m.mask
         if m.causal:  # only when Lq == Lk and nothing else masks
             keep = causal(lq, lk, device=q.device).view(1, 1, lq, lk)  # (1, 1, Lq, Lk)
-        keep = group_mask(keep, h, hkv, lq)
-        if keep is not None:
-            scores = scores.masked_fill_(~keep, float("-inf"))
-        weights = torch.softmax(scores, dim=-1)  # (B, Hkv, G*Lq, Lk)
-        del scores  # the one (B, H, Lq, Lk) tensor alive from here on is `weights`
-        dropped = F.dropout(weights, p=call.dropout) if call.dropout > 0 else weights
-        out = ungroup(torch.matmul(dropped, v), h)  # (B, H, Lq, Dv)
-        out = zero_dead_rows(out, m.row_ok)
+        keep = group_mask(keep, h, hkv, lq)  # (B|1, Hkv|1, G*Lq|1, Lk|1)
+        if _blocked(call, qg, k, v):
+            out, weights = _attend_blocked(qg, k, v, bias, keep)
+        else:
+            out, weights = _attend(qg, k, v, bias, keep, call.dropout)
+        out = zero_dead_rows(ungroup(out, h), m.row_ok)  # (B, H, Lq, Dv)
         if not call.return_weights:
             return out, None
         return out, zero_dead_rows(ungroup(weights, h), m.row_ok)  # (B, H, Lq, Lk)
+
+
+def _attend(
+    qg: Tensor,
+    k: Tensor,
+    v: Tensor,
+    bias: Tensor | None,
+    keep: Tensor | None,
+    dropout: float = 0.0,
+    out: tuple[Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """softmax(qg k^T + bias, masked) (dropped out) @ v: (output (B, Hkv, G*Lq, Dv), weights (..., Lk)).
+
+    ``out``: (output, weights) buffers to write into (no autograd then).
+    """
+    o_buf, w_buf = out if out is not None else (None, None)
+    scores = torch.matmul(qg, k.transpose(-2, -1), out=w_buf)  # (B, Hkv, G*Lq, Lk), a fresh tensor
+    if bias is not None:
+        scores = scores.add_(bias)  # in place: matmul's backward does not need its output
+    if keep is not None:
+        scores = scores.masked_fill_(~keep, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, out=w_buf) if w_buf is not None else torch.softmax(scores, dim=-1)
+    del scores  # the one (B, Hkv, G*Lq, Lk) tensor alive from here on is `weights`
+    dropped = F.dropout(weights, p=dropout) if dropout > 0 else weights
+    return torch.matmul(dropped, v, out=o_buf), weights  # (B, Hkv, G*Lq, Dv), (B, Hkv, G*Lq, Lk)
+
+
+#: Target size of one block of scores in the blocked inference path, bytes (cache-resident).
+BLOCK_BYTES = 4 << 20
+
+
+def _blocked(call: AttentionCall, qg: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Inference on the CPU with large scores: compute them block by block while they are in cache."""
+    if call.dropout > 0 or qg.device.type != "cpu":
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (qg, k, v, call.masks.bias) if t is not None):
+        return False
+    b, hkv, glq, _ = qg.shape
+    return b * hkv * glq * k.shape[2] * qg.element_size() > 2 * BLOCK_BYTES
+
+
+def _sl(t: Tensor | None, dim: int, s: slice) -> Tensor | None:
+    """Slice ``t`` along ``dim`` unless that dim broadcasts (size 1)."""
+    return t if t is None or t.shape[dim] == 1 else t.narrow(dim, s.start, s.stop - s.start)
+
+
+def _attend_blocked(
+    qg: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, keep: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """:func:`_attend` over blocks of (batch, kv head) pairs written into preallocated outputs.
+
+    Scores, softmax and the weights @ v product of one block run while the block is in cache;
+    without blocking each is a pass over a (B, Hkv, G*Lq, Lk) tensor in main memory.
+    """
+    b, hkv, glq, _ = qg.shape
+    lk = k.shape[2]
+    weights = qg.new_empty(b, hkv, glq, lk)  # (B, Hkv, G*Lq, Lk)
+    out = qg.new_empty(b, hkv, glq, v.shape[-1])  # (B, Hkv, G*Lq, Dv)
+    per_head = glq * lk * qg.element_size()
+    heads = max(1, min(hkv, BLOCK_BYTES // per_head))  # kv heads per block
+    for i in range(b):
+        bi = slice(i, i + 1)
+        for j in range(0, hkv, heads):
+            hj = slice(j, min(hkv, j + heads))
+            blk = [t[bi, hj] for t in (qg, k, v, out, weights)]
+            mb, mk = (_sl(_sl(t, 0, bi), 1, hj) for t in (bias, keep))
+            _attend(blk[0], blk[1], blk[2], mb, mk, out=(blk[3], blk[4]))
+    return out, weights

@@ -539,6 +539,25 @@ def _best(res: dict, peer: str, key: str) -> float | None:
     return min(vals) if vals else None
 
 
+def _in_fresh_process(case: Case, rounds: int, progress: Progress) -> dict:
+    """Run a CPU memory case alone in a new process: a peak resident set measured after other cases
+    carries their heap (fragments, thread arenas) and is not comparable between contenders."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "multihead", "bench", "--only", case.name, "--out", tmp, "--no-progress"]
+        done = subprocess.run([*cmd, "--rounds", str(rounds)], capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"memory case {case.name!r} failed in its own process:\n{done.stderr[-2000:]}")
+        (record,) = [
+            r for r in json.loads((Path(tmp) / "cpu.json").read_text())["cases"] if r["name"] == case.name
+        ]
+    for label in case.contenders:
+        progress.update(f"{case.name}: {label} (own process)")
+    return record
+
+
 def run_suite(
     cases: list[Case],
     device: torch.device,
@@ -547,8 +566,11 @@ def run_suite(
     warmup: int = 2,
     progress: bool = True,
     matmul_n: int = MATMUL_N,
+    isolate_memory: bool = True,
 ) -> dict:
-    """Run ``cases`` on ``device``; returns the full JSON-able report."""
+    """Run ``cases`` on ``device``; returns the full JSON-able report.
+
+    ``isolate_memory``: on the CPU, run each memory-only case in its own process (clean heap)."""
     # Every timing first, under the allocator's normal behaviour (as users run); then the memory
     # measurements, which on the CPU make glibc return each freed block to the OS at once.
     total = sum(len(c.contenders) if c.memory_only else warmup + rounds + len(c.contenders) for c in cases)
@@ -558,7 +580,9 @@ def run_suite(
     if device.type == "cpu":
         _cpu_memory_tracking()  # before any memory measurement, so that no freed block lingers in the heap
     for c in cases:
-        if c.memory_only:
+        if c.memory_only and device.type == "cpu" and isolate_memory and len(cases) > 1:
+            by_case[id(c)] = _in_fresh_process(c, rounds, bar)
+        elif c.memory_only:
             by_case[id(c)] = run_case(c, device, rounds, warmup, bar, matmul_n)
         else:
             add_memory(c, by_case[id(c)], device, bar)
@@ -697,6 +721,7 @@ def run(args: argparse.Namespace) -> int:
         warmup=1 if args.quick else 2,
         progress=not args.no_progress,
         matmul_n=256 if args.quick else MATMUL_N,
+        isolate_memory=not args.quick,
     )
     report["quick"] = bool(args.quick)
     stem = device.type + ("-quick" if args.quick else "")

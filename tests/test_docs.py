@@ -19,6 +19,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 PAGES = {
     "transformer.md": ((), 12),
     "compat.md": (("keras", "onnxruntime", "onnxscript"), 7),
+    "heads.md": (("matplotlib",), 7),
 }
 
 

@@ -35,6 +35,22 @@ from ..masks import combine
 __all__ = ["IsCausalError", "MultiheadAttention"]
 
 
+def _flags(m: nn.Module) -> dict[str, object]:
+    """Constructor keywords (all but embed_dim, num_heads) that rebuild ``m``, either class, in place."""
+    ref = m.out_proj.weight
+    return {
+        "dropout": m.dropout,
+        "bias": m.in_proj_bias is not None,
+        "add_bias_kv": m.bias_k is not None,
+        "add_zero_attn": m.add_zero_attn,
+        "kdim": m.kdim,
+        "vdim": m.vdim,
+        "batch_first": m.batch_first,
+        "device": ref.device,
+        "dtype": ref.dtype,
+    }
+
+
 class IsCausalError(ValueError, RuntimeError):
     """``is_causal=True`` without ``attn_mask`` (torch raises ``RuntimeError`` here; this is both)."""
 
@@ -303,38 +319,12 @@ class MultiheadAttention(_CoreMHA):
         """A drop-in copy of ``m``: same flags (batch_first, add_bias_kv, ...) and exact weights."""
         if not isinstance(m, nn.MultiheadAttention):
             raise TypeError(f"from_torch expects a torch.nn.MultiheadAttention, got {type(m).__name__}")
-        ref = m.out_proj.weight
-        new = cls(
-            m.embed_dim,
-            m.num_heads,
-            dropout=m.dropout,
-            bias=m.in_proj_bias is not None,
-            add_bias_kv=m.bias_k is not None,
-            add_zero_attn=m.add_zero_attn,
-            kdim=m.kdim,
-            vdim=m.vdim,
-            batch_first=m.batch_first,
-            device=ref.device,
-            dtype=ref.dtype,
-        )
+        new = cls(m.embed_dim, m.num_heads, **_flags(m))
         new.load_state_dict(m.state_dict(), strict=True)
         return new.train(m.training)
 
     def to_torch(self) -> nn.MultiheadAttention:
         """A ``torch.nn.MultiheadAttention`` with the same flags and exact weights."""
-        ref = self.out_proj.weight
-        m = nn.MultiheadAttention(
-            self.embed_dim,
-            self.num_heads,
-            dropout=self.dropout,
-            bias=self.in_proj_bias is not None,
-            add_bias_kv=self.bias_k is not None,
-            add_zero_attn=self.add_zero_attn,
-            kdim=self.kdim,
-            vdim=self.vdim,
-            batch_first=self.batch_first,
-            device=ref.device,
-            dtype=ref.dtype,
-        )
+        m = nn.MultiheadAttention(self.embed_dim, self.num_heads, **_flags(self))
         m.load_state_dict(self.state_dict(), strict=True)
         return m.train(self.training)

@@ -353,3 +353,61 @@ def test_process_group_rejects_rank_local_positions(what):
     kw = {"cache": mh.KVCache()} if what == "cache" else {}
     with pytest.raises(ValueError, match="process_group.*cannot use"):
         mha(torch.randn(1, 4, 16), causal=True, **kw)
+
+
+@pytest.mark.parametrize("masked", ["none", "staircase", "dead rows", "triangle", "triangle+padding"])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_block_kernel_equals_plain_block_math(monkeypatch, masked, kv_heads, dtype):
+    """One ring step on PyTorch's fused CPU kernel (log-sum-exp state) equals the plain matmul block:
+    the same normalised output and log-sum-exp forward, the same dq, dk, dv backward."""
+    g = torch.Generator().manual_seed(0)
+    b, h, lq, lk, d = 2, 4, 6, 5, 8
+    q = torch.randn(b, h, lq, d, generator=g, dtype=dtype)
+    k, v = (torch.randn(b, kv_heads, lk, d, generator=g, dtype=dtype) for _ in range(2))
+    keep = None
+    rows, cols = slice(1, lq), slice(0, lk)
+    if masked == "staircase":  # row i sees its first (i + 1) keys
+        keep = (torch.arange(lk) <= torch.arange(lq - 1)[:, None])[None, None]  # (1, 1, n, m)
+    elif masked == "dead rows":  # batch 0 sees no key at all in this block
+        keep = torch.ones(b, 1, 1, lk, dtype=torch.bool)
+        keep[0] = False
+    triangle = masked.startswith("triangle")
+    if triangle:  # the diagonal block: the kernel's own causal mask, n == m
+        rows = slice(0, lk)
+    if masked == "triangle+padding":  # batch 0: keys 0, 1 padded, so its rows 0 and 1 see nothing
+        keep = torch.ones(b, 1, 1, lk, dtype=torch.bool)
+        keep[0, ..., :2] = False
+    blk = mhd._Block(rows, cols, keep, triangle)
+    n = rows.stop - rows.start
+
+    def run(flash):
+        monkeypatch.setattr(mhd, "FLASH_BLOCKS", flash)
+        assert mhd._use_flash(q, v) is flash
+        acc, mx, den = mhd._block_forward(q, k, v, blk, 0.3)
+        safe_mx, safe_den = mhd._softmax_state(mx.clone(), den.clone())
+        out = acc / safe_den  # (B, H, n, D)
+        lse = torch.where(den > 0, mx + torch.log(den.clamp_min(1e-300)), torch.full_like(mx, float("-inf")))
+        full_out = torch.zeros(b, h, lq, d, dtype=dtype)
+        full_out[:, :, rows] = out
+        mxf = torch.zeros(b, h, lq, 1, dtype=dtype)
+        denf = torch.ones(b, h, lq, 1, dtype=dtype)
+        mxf[:, :, rows], denf[:, :, rows] = safe_mx, safe_den
+        dout = torch.randn(b, h, lq, d, generator=torch.Generator().manual_seed(1), dtype=dtype)
+        delta = (dout * full_out).sum(-1, keepdim=True)
+        grads = mhd._block_backward(q, k, v, dout, full_out, mxf, denf, delta, blk, 0.3)
+        return out, lse, grads
+
+    out_f, lse_f, grads_f = run(True)
+    out_m, lse_m, grads_m = run(False)
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-10, "atol": 1e-12}
+    torch.testing.assert_close(out_f, out_m, **tol)
+    torch.testing.assert_close(lse_f, lse_m, **tol)
+    assert out_f.shape == (b, h, n, d)
+    for a, m in zip(grads_f, grads_m):
+        torch.testing.assert_close(a, m, **tol)
+    if masked == "dead rows":
+        assert (out_f[0] == 0).all() and torch.isneginf(lse_f[0]).all()
+    if masked == "triangle+padding":
+        assert (out_f[0, :, :2] == 0).all() and torch.isneginf(lse_f[0, :, :2]).all()
+        assert torch.isfinite(lse_f[0, :, 2:]).all()

@@ -299,13 +299,25 @@ class _Block:
     rows: slice  # query rows [i0, Lq) that see at least one key
     cols: slice  # key columns [0, j1) that at least one query sees
     keep: Tensor | None  # bool (B|1, 1, n|1, m), True = may attend; None = all visible
+    causal: bool = False  # also the top-left causal mask (n == m): row i sees columns <= i
+
+
+def _full_keep(blk: _Block) -> Tensor | None:
+    """``blk.keep`` with the causal triangle folded in: bool (B|1, 1, n|1, m) or None."""
+    if not blk.causal:
+        return blk.keep
+    n = blk.rows.stop - blk.rows.start
+    tril = _masks.causal(n, n, device=None if blk.keep is None else blk.keep.device)[
+        None, None
+    ]  # (1, 1, n, n)
+    return _masks.combine(tril, blk.keep)
 
 
 def _block(plan: _Plan, src: int, key_mask: Tensor | None, device: torch.device) -> _Block | None:
     """Region and mask of this rank's queries x rank ``src``'s keys; ``None`` if nothing is visible."""
     q_pos, k_pos = plan.q_pos, plan.k_pos[src]
     lq, lk = len(q_pos), len(k_pos)
-    rows, cols, causal_keep = slice(0, lq), slice(0, lk), None
+    rows, cols, causal_keep, causal = slice(0, lq), slice(0, lk), None, False
     if plan.causal_offset is not None:
         # Positions ascend within a shard, so query i sees a prefix of the keys: its first `seen[i]`.
         seen = torch.searchsorted(k_pos.contiguous(), q_pos + plan.causal_offset, right=True)  # (Lq,)
@@ -316,8 +328,11 @@ def _block(plan: _Plan, src: int, key_mask: Tensor | None, device: torch.device)
         rows, cols = slice(i0, lq), slice(0, j1)
         if int(seen[i0]) < j1:  # some visible row sees fewer keys than the last one: a staircase
             counts = seen[i0:].to(device)  # (n,)
-            causal_keep = torch.arange(j1, device=device) < counts[:, None]  # (n, m)
-            causal_keep = causal_keep[None, None]  # (1, 1, n, m)
+            if i0 == 0 and j1 == lq and torch.equal(counts, torch.arange(1, lq + 1, device=device)):
+                causal = True  # the plain triangle: kernels apply it without a mask tensor
+            else:
+                causal_keep = torch.arange(j1, device=device) < counts[:, None]  # (n, m)
+                causal_keep = causal_keep[None, None]  # (1, 1, n, m)
     k_seen = k_pos[cols].to(device)  # (m,)
     valid = None
     if plan.valid_lens is not None:
@@ -325,14 +340,56 @@ def _block(plan: _Plan, src: int, key_mask: Tensor | None, device: torch.device)
         valid = k_seen < vl[..., None]  # (B, m) | (B, n, m)
         valid = valid[:, None, None] if vl.dim() == 1 else valid[:, None]  # (B, 1, 1|n, m)
     pad = None if key_mask is None else key_mask[:, None, None, cols]  # (B, 1, 1, m)
-    return _Block(rows, cols, _masks.combine(causal_keep, valid, pad))
+    return _Block(rows, cols, _masks.combine(causal_keep, valid, pad), causal)
 
 
 def _scores(q: Tensor, k: Tensor, blk: _Block, scale: float, h: int) -> Tensor:
     """Masked scores of grouped queries q (B, Hkv, G*n, Dk) against keys k (B, Hkv, m, Dk)."""
     s = torch.matmul(q, k.transpose(-2, -1)) * scale  # (B, Hkv, G*n, m)
-    keep = group_mask(blk.keep, h, k.shape[1], blk.rows.stop - blk.rows.start)
+    keep = group_mask(_full_keep(blk), h, k.shape[1], blk.rows.stop - blk.rows.start)
     return s if keep is None else s.masked_fill(~keep, float("-inf"))
+
+
+def _flash_ops() -> tuple[Any, Any] | None:
+    """PyTorch's CPU flash-attention forward/backward ops (they return/take the log-sum-exp), if present."""
+    fwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    bwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    return None if fwd is None or bwd is None else (fwd, bwd)
+
+
+def _use_flash(q: Tensor, v: Tensor) -> bool:
+    """Blocks run on the fused CPU kernel (never an (n, m) score tensor); elsewhere the plain matmuls.
+
+    The kernel needs equal query and value head dims and a float32/float64 CPU tensor.
+    """
+    on_cpu = q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
+    return FLASH_BLOCKS and on_cpu and q.shape[-1] == v.shape[-1] and _flash_ops() is not None
+
+
+#: Use PyTorch's fused CPU attention kernel for each block when it is available (set False to compare).
+FLASH_BLOCKS = True
+
+
+def _block_bias(blk: _Block, dtype: torch.dtype) -> tuple[Tensor | None, Tensor | None]:
+    """For the fused kernel: ``blk.keep`` as an additive bias (0 / -inf) (B|1, 1, n, m), and which rows
+    see at least one key once the causal triangle is applied too (B|1, 1, n, 1); (None, None) when no
+    mask tensor is needed (all visible, or only the triangle, which the kernel applies itself)."""
+    if blk.keep is None:
+        return None, None
+    n = blk.rows.stop - blk.rows.start
+    keep = blk.keep.expand(*blk.keep.shape[:2], n, blk.keep.shape[3])  # (B|1, 1, n, m)
+    bias = torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
+    if blk.causal:  # row i sees a key iff one of keys 0..i is kept
+        sees = keep.cumsum(dim=-1).diagonal(dim1=-2, dim2=-1)[..., None] > 0  # (B|1, 1, n, 1)
+    else:
+        sees = keep.any(dim=-1, keepdim=True)  # (B|1, 1, n, 1)
+    return bias, sees
+
+
+def _repeat_kv(t: Tensor, h: int) -> Tensor:
+    """(B, Hkv, m, D) -> (B, H, m, D), each kv head repeated for its G query heads (the fused kernel
+    needs equal head counts; this costs m*D per head, not the (n, m) mask grouped queries would)."""
+    return t if t.shape[1] == h else t.repeat_interleave(h // t.shape[1], dim=1)  # (B, H, m, D)
 
 
 def _block_forward(
@@ -342,13 +399,32 @@ def _block_forward(
 
     Returns ``acc = exp(s - mx) @ v`` (B, H, n, Dv), the row max ``mx`` of the scores (B, H, n, 1)
     (``-inf`` where a row sees no key of this shard) and the row sum ``den = sum exp(s - mx)`` (B, H, n, 1).
+    On the fused kernel, ``acc`` is the normalised block output, ``mx`` its log-sum-exp and ``den`` 1
+    (0 for a row that sees no key): the same state, scaled differently.
     """
     h, hkv = q.shape[1], k.shape[1]
+    kb, vb = k[:, :, blk.cols], v[:, :, blk.cols]  # (B, Hkv, m, Dk), (B, Hkv, m, Dv)
+    if _use_flash(q, v):
+        bias, sees = _block_bias(blk, q.dtype)  # (B|1, 1, n, m), (B|1, 1, n, 1)
+        out, lse = _flash_ops()[0](
+            q[:, :, blk.rows],
+            _repeat_kv(kb, h),
+            _repeat_kv(vb, h),
+            0.0,
+            blk.causal,
+            attn_mask=bias,
+            scale=scale,
+        )  # (B, H, n, Dv), (B, H, n)
+        lse = lse.unsqueeze(-1)  # (B, H, n, 1)
+        den = torch.ones_like(lse)
+        if sees is not None:  # rows with no visible key: output 0, no mass
+            out, lse, den = out * sees, lse.masked_fill(~sees, float("-inf")), den * sees
+        return out, lse, den
     qg = group_queries(q[:, :, blk.rows], hkv)  # (B, Hkv, G*n, Dk)
-    s = _scores(qg, k[:, :, blk.cols], blk, scale, h)  # (B, Hkv, G*n, m)
+    s = _scores(qg, kb, blk, scale, h)  # (B, Hkv, G*n, m)
     mx = s.amax(dim=-1, keepdim=True)  # (B, Hkv, G*n, 1)
     p = torch.exp(s - mx.masked_fill(torch.isneginf(mx), 0.0))  # (B, Hkv, G*n, m); dead rows -> 0
-    acc = torch.matmul(p, v[:, :, blk.cols])  # (B, Hkv, G*n, Dv)
+    acc = torch.matmul(p, vb)  # (B, Hkv, G*n, Dv)
     return ungroup(acc, h), ungroup(mx, h), ungroup(p.sum(dim=-1, keepdim=True), h)
 
 
@@ -373,6 +449,7 @@ def _block_backward(
     k: Tensor,
     v: Tensor,
     dout: Tensor,
+    out: Tensor,
     mx: Tensor,
     den: Tensor,
     delta: Tensor,
@@ -381,11 +458,29 @@ def _block_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of one block: dq (B, H, n, Dk), dk (B, Hkv, m, Dk), dv (B, Hkv, m, Dv).
 
-    ``mx``, ``den`` (B, H, Lq, 1) are the softmax max and sum over *all* keys (from the forward pass, made
-    safe by :func:`_softmax_state`) and ``delta`` (B, H, Lq, 1) = rowsum(dout * out), so
-    ``p = exp(s - mx) / den`` are the final attention weights and ``ds = p * (dout @ v^T - delta)``.
+    ``out`` (B, H, Lq, Dv) is the final output; ``mx``, ``den`` (B, H, Lq, 1) are the softmax max and sum
+    over *all* keys (from the forward pass, made safe by :func:`_softmax_state`) and ``delta``
+    (B, H, Lq, 1) = rowsum(dout * out), so ``p = exp(s - mx) / den`` are the final attention weights and
+    ``ds = p * (dout @ v^T - delta)``. The fused kernel takes the same as ``out`` and the log-sum-exp
+    ``mx + log(den)``.
     """
     h, hkv = q.shape[1], k.shape[1]
+    if _use_flash(q, v):
+        rows = blk.rows
+        lse = (mx + torch.log(den))[:, :, rows].squeeze(-1)  # (B, H, n)
+        bias, _ = _block_bias(blk, torch.float64)  # (B|1, 1, n, m)
+        kb, vb = _repeat_kv(k[:, :, blk.cols], h), _repeat_kv(v[:, :, blk.cols], h)  # (B, H, m, D*)
+        # float64 inside the kernel: its float32 dK/dV sums lose ~2 bits more than the plain matmuls
+        # (measured 3.5x the float32 reference's own error under MQA); it still forms no (n, m) tensor.
+        f64 = [
+            t.to(torch.float64).contiguous()
+            for t in (dout[:, :, rows], q[:, :, rows], kb, vb, out[:, :, rows], lse)
+        ]
+        dq, dk, dv = _flash_ops()[1](*f64, 0.0, blk.causal, attn_mask=bias, scale=scale)
+        m = dk.shape[2]
+        dk = dk.view(dk.shape[0], hkv, h // hkv, m, -1).sum(dim=2)  # (B, Hkv, m, Dk): sum over the group
+        dv = dv.view(dv.shape[0], hkv, h // hkv, m, -1).sum(dim=2)  # (B, Hkv, m, Dv)
+        return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
     qg = group_queries(q[:, :, blk.rows], hkv)  # (B, Hkv, G*n, Dk)
     dog = group_queries(dout[:, :, blk.rows], hkv)  # (B, Hkv, G*n, Dv)
     mx_g, den_g, delta_g = (
@@ -498,7 +593,7 @@ def _ring_backward(
         blk = _block(plan, src, mb, q.device)
         if blk is not None:
             dq_b, dk_b, dv_b = _block_backward(
-                qa, kb.to(acc), vb.to(acc), da, mx, den, delta, blk, plan.scale
+                qa, kb.to(acc), vb.to(acc), da, out, mx, den, delta, blk, plan.scale
             )
             dq[:, :, blk.rows] += dq_b
             dkb[:, :, blk.cols] += dk_b
@@ -579,8 +674,9 @@ def ring_attention(
         on the full sequences. A query with no visible key gets 0 (and finite gradients). Differentiable
         in q, k, v; backward, like forward, must run on every rank.
 
-    Each rank keeps (B, H, Lq, Dv) partial outputs and (B, Hkv, G*Lq, Lk_s) scores for one shard at a
-    time, so memory per rank falls with the number of ranks. Every call makes one small all-gather of
+    Each rank keeps (B, H, Lq, Dv) partial outputs and one K/V shard in flight; each block runs on the
+    fused CPU flash kernel where it can (otherwise plain matmuls with a (B, Hkv, G*Lq, Lk_s) score
+    block), so memory per rank falls with the number of ranks. Every call makes one small all-gather of
     the shapes first, so a bad input raises on every rank instead of hanging the others.
     """
     plan = _make_plan(

@@ -8,6 +8,7 @@ against a float64 reference is at most 2x the float32 reference's own error.
 from __future__ import annotations
 
 import json
+import os
 import warnings
 
 import pytest
@@ -304,3 +305,13 @@ def test_blocked_path_is_not_taken_when_autograd_records(monkeypatch):
     (g,) = torch.autograd.grad(out.sum(), q)
     (g_ref,) = torch.autograd.grad(mh.attention_reference(q, k, v).sum(), q)
     torch.testing.assert_close(g, g_ref)
+
+
+def test_bench_memory_case_in_its_own_process():
+    """A CPU memory case measured in a fresh process comes back as the same record a local run makes."""
+    (case,) = [c for c in bench.cpu_suite(quick=True) if c.memory_only and c.mode == "train"]
+    progress = bench.Progress(len(case.contenders), open(os.devnull, "w"))  # noqa: SIM115
+    record = bench._in_fresh_process(case, 1, progress, quick=True)
+    assert record["name"] == case.name and set(record["results"]) == set(case.contenders)
+    ours = record["results"][bench.OURS]
+    assert ours["status"] == "ok" and ours["peak_memory_mib"] is not None and ours["median_s"] > 0

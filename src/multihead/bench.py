@@ -539,20 +539,23 @@ def _best(res: dict, peer: str, key: str) -> float | None:
     return min(vals) if vals else None
 
 
-def _in_fresh_process(case: Case, rounds: int, progress: Progress) -> dict:
+def _in_fresh_process(case: Case, rounds: int, progress: Progress, *, quick: bool = False) -> dict:
     """Run a CPU memory case alone in a new process: a peak resident set measured after other cases
-    carries their heap (fragments, thread arenas) and is not comparable between contenders."""
+    carries their heap (fragments, thread arenas) and is not comparable between contenders.
+
+    ``quick``: ``case`` comes from the quick suite (the child looks it up there by name).
+    """
     import subprocess
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "multihead", "bench", "--only", case.name, "--out", tmp, "--no-progress"]
-        done = subprocess.run([*cmd, "--rounds", str(rounds)], capture_output=True, text=True, check=False)
+        cmd += ["--rounds", str(rounds), *(["--quick"] if quick else [])]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             raise RuntimeError(f"memory case {case.name!r} failed in its own process:\n{done.stderr[-2000:]}")
-        (record,) = [
-            r for r in json.loads((Path(tmp) / "cpu.json").read_text())["cases"] if r["name"] == case.name
-        ]
+        report = json.loads((Path(tmp) / ("cpu-quick.json" if quick else "cpu.json")).read_text())
+    (record,) = [r for r in report["cases"] if r["name"] == case.name]
     for label in case.contenders:
         progress.update(f"{case.name}: {label} (own process)")
     return record

@@ -57,7 +57,6 @@ def test_to_onnx_rejects_non_tensor_inputs(tmp_path):
         export.to_onnx(mh.MultiHeadAttention(8, 2), [[1.0]], tmp_path / "x.onnx")
 
 
-@pytest.mark.skipif(not hasattr(mh, "Transformer"), reason="multihead.Transformer is not in this version yet")
 def test_cli_exports_the_transformer(tmp_path):
     argv, _ = _cli_args(out=tmp_path / "t.onnx", model="transformer")
     assert cli.main(argv) == 0

@@ -14,6 +14,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from attention_cases import make_qkv, mask_kwargs
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import multihead as mh
@@ -23,28 +24,11 @@ from multihead.functional import explain_backends, prepare
 
 
 def _qkv(b, h, hkv, lq, lk, d, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, h, lq, d, generator=g, dtype=torch.float64)
-    k = torch.randn(b, hkv, lk, d, generator=g, dtype=torch.float64)
-    v = torch.randn(b, hkv, lk, d, generator=g, dtype=torch.float64)
-    return q.to(dtype), k.to(dtype), v.to(dtype)
+    return make_qkv(b, h, hkv, lq, lk, d, d, dtype, seed)
 
 
 def _masks(kind, b, h, lq, lk):
-    g = torch.Generator().manual_seed(1)
-    if kind == "none":
-        return {}
-    if kind == "causal":
-        return {"causal": True}
-    if kind == "mask":
-        return {"mask": torch.rand(b, 1, lq, lk, generator=g) > 0.3}
-    if kind == "bias":
-        return {"bias": torch.randn(h, lq, lk, generator=g, dtype=torch.float64)}
-    if kind == "valid_lens":  # the second batch row has no valid key: dead rows
-        return {"valid_lens": torch.tensor([max(1, lk - 2), 0][:b])}
-    if kind == "window+causal":
-        return {"mask": mh.masks.sliding_window(lq, lk, window=3), "causal": True}
-    raise AssertionError(kind)
+    return mask_kwargs(kind, b, h, lq, lk, bias_dtype=torch.float64)
 
 
 def _as(kwargs, dtype):

@@ -4,6 +4,7 @@ from functools import partial
 
 import pytest
 import torch
+from attention_cases import make_qkv, mask_kwargs
 
 import multihead as mh
 from multihead import masks
@@ -14,42 +15,6 @@ HEADS = {"mha": (8, 8), "gqa": (8, 2), "mqa": (8, 1)}
 # (Lq, Lk, Dk, Dv): length 1, Lq != Lk both ways, head dim 59, Dk != Dv, length 97
 SIZES = [(1, 1, 8, 8), (5, 7, 59, 32), (7, 5, 16, 24), (97, 97, 16, 16)]
 MASK_KINDS = ["none", "causal", "mask", "bias", "valid_lens_1d", "valid_lens_2d", "all"]
-
-
-def make_qkv(b, h, hkv, lq, lk, dk, dv, dtype=torch.float32, seed=0, requires_grad=False):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, h, lq, dk, generator=g, dtype=torch.float64).to(dtype)
-    k = torch.randn(b, hkv, lk, dk, generator=g, dtype=torch.float64).to(dtype)
-    v = torch.randn(b, hkv, lk, dv, generator=g, dtype=torch.float64).to(dtype)
-    if requires_grad:
-        for t in (q, k, v):
-            t.requires_grad_(True)
-    return q, k, v
-
-
-def mask_kwargs(kind, b, h, lq, lk, seed=1):
-    """Attention keywords for one mask kind, with a few fully masked rows where the kind allows."""
-    g = torch.Generator().manual_seed(seed)
-    if kind == "none":
-        return {}
-    if kind == "causal":
-        return {"causal": True}
-    if kind == "mask":
-        return {"mask": torch.rand(b, 1, lq, lk, generator=g) > 0.3}
-    if kind == "bias":
-        return {"bias": torch.randn(h, lq, lk, generator=g)}
-    if kind == "valid_lens_1d":
-        return {"valid_lens": torch.randint(0, lk + 1, (b,), generator=g)}
-    if kind == "valid_lens_2d":
-        return {"valid_lens": torch.randint(0, lk + 1, (b, lq), generator=g)}
-    if kind == "all":
-        return {
-            "mask": torch.rand(lq, lk, generator=g) > 0.2,
-            "bias": torch.randn(b, h, lq, lk, generator=g),
-            "valid_lens": torch.randint(1, lk + 1, (b,), generator=g),
-            "causal": True,
-        }
-    raise AssertionError(kind)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

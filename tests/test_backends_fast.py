@@ -18,9 +18,11 @@ from attention_cases import make_qkv, mask_kwargs
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import multihead as mh
-from multihead import backends, bench, cli
-from multihead.backends.flex import FlexBackend
-from multihead.functional import explain_backends, prepare
+from multihead import cli
+from multihead.bench import harness as bench
+from multihead.core import backends
+from multihead.core.attention import explain_backends, prepare
+from multihead.core.backends.flex import FlexBackend
 
 
 def _qkv(b, h, hkv, lq, lk, d, dtype, seed=0):
@@ -253,7 +255,7 @@ def test_bench_flops_formula():
 def test_blocked_inference_path_matches_reference(monkeypatch, heads, kind, block_bytes):
     """The math backend's cache-blocked path (inference, large scores) on tiny blocks: one (batch,
     kv head) pair per block, and a few kv heads per block."""
-    from multihead.backends import math as math_backend
+    from multihead.core.backends import math as math_backend
 
     monkeypatch.setattr(math_backend, "BLOCK_BYTES", block_bytes)
     h, hkv = heads
@@ -278,7 +280,7 @@ def test_blocked_inference_path_matches_reference(monkeypatch, heads, kind, bloc
 
 
 def test_blocked_path_is_not_taken_when_autograd_records(monkeypatch):
-    from multihead.backends import math as math_backend
+    from multihead.core.backends import math as math_backend
 
     monkeypatch.setattr(math_backend, "BLOCK_BYTES", 1)
     q, k, v = _qkv(1, 2, 2, 4, 4, 8, torch.float64)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import multihead as mh
-from multihead.rotary import RotaryEmbedding
+from multihead.nn import RotaryEmbedding
 
 
 def _mha(heads=4, kv_heads=None, rotary=False, dtype=torch.float32, seed=0, embed=32):

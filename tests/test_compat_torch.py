@@ -225,7 +225,7 @@ def test_bad_inputs_raise_clear_errors():
 def test_need_weights_path_is_one_pass():
     """need_weights=True uses the math backend once: output and weights come from the same softmax."""
     calls = []
-    import multihead.backends.math as math_backend
+    import multihead.core.backends.math as math_backend
 
     orig = math_backend.MathBackend.__call__
 

@@ -378,14 +378,14 @@ def test_fused_block_kernel_equals_plain_block_math(monkeypatch, masked, kv_head
     if masked == "triangle+padding":  # batch 0: keys 0, 1 padded, so its rows 0 and 1 see nothing
         keep = torch.ones(b, 1, 1, lk, dtype=torch.bool)
         keep[0, ..., :2] = False
-    blk = mhd._Block(rows, cols, keep, triangle)
+    blk = mhd.ring._Block(rows, cols, keep, triangle)
     n = rows.stop - rows.start
 
     def run(flash):
-        monkeypatch.setattr(mhd, "FLASH_BLOCKS", flash)
-        assert mhd._use_flash(q, v) is flash
-        acc, mx, den = mhd._block_forward(q, k, v, blk, 0.3)
-        safe_mx, safe_den = mhd._softmax_state(mx.clone(), den.clone())
+        monkeypatch.setattr(mhd.ring, "FLASH_BLOCKS", flash)
+        assert mhd.ring._use_flash(q, v) is flash
+        acc, mx, den = mhd.ring._block_forward(q, k, v, blk, 0.3)
+        safe_mx, safe_den = mhd.ring._softmax_state(mx.clone(), den.clone())
         out = acc / safe_den  # (B, H, n, D)
         lse = torch.where(den > 0, mx + torch.log(den.clamp_min(1e-300)), torch.full_like(mx, float("-inf")))
         full_out = torch.zeros(b, h, lq, d, dtype=dtype)
@@ -395,7 +395,7 @@ def test_fused_block_kernel_equals_plain_block_math(monkeypatch, masked, kv_head
         mxf[:, :, rows], denf[:, :, rows] = safe_mx, safe_den
         dout = torch.randn(b, h, lq, d, generator=torch.Generator().manual_seed(1), dtype=dtype)
         delta = (dout * full_out).sum(-1, keepdim=True)
-        grads = mhd._block_backward(q, k, v, dout, full_out, mxf, denf, delta, blk, 0.3)
+        grads = mhd.ring._block_backward(q, k, v, dout, full_out, mxf, denf, delta, blk, 0.3)
         return out, lse, grads
 
     out_f, lse_f, grads_f = run(True)

@@ -55,7 +55,7 @@ def test_sdpa_refuses_weights_with_reason():
     q, k, v = make_qkv(1, 2, 2, 3, 3, 4, 4)
     with pytest.raises(ValueError, match="cannot return attention weights"):
         mh.attention(q, k, v, return_weights=True, backend="sdpa")
-    reasons = mh.functional.explain_backends(q, k, v, return_weights=True)
+    reasons = mh.core.explain_backends(q, k, v, return_weights=True)
     assert reasons["math"] == [] and reasons["sdpa"]
 
 

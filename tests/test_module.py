@@ -6,7 +6,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 import multihead as mh
-from multihead.attention import merge_heads
+from multihead.nn import merge_heads
 
 
 def torch_padding(valid_lens, lk):

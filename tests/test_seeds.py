@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import multihead as mh
-from multihead import layouts
-from multihead.attention import merge_heads
+from multihead.compat import layouts
+from multihead.nn import merge_heads
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "seeds"
 E, H, D, B, L = 12, 3, 4, 2, 5

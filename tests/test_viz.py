@@ -12,7 +12,8 @@ import torch
 from toy_models import ToySeq2Seq, toy_inputs
 
 import multihead as mh
-from multihead import _inspect, heads, viz
+from multihead import heads, viz
+from multihead.nn import seam
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -62,9 +63,9 @@ def test_capture_leaves_nothing_behind():
     x, y = toy_inputs(model)
     before = module_state(model)
     with viz.capture(model) as cap:
-        assert _inspect.current() is not None
+        assert seam.current() is not None
         model(x, y).sum().backward()  # with autograd on: the captured weights must not hold the graph
-    assert _inspect.current() is None
+    assert seam.current() is None
     assert module_state(model) == before
     assert all(not r.weights.requires_grad and r.weights.grad_fn is None for r in cap.records)
     ref = weakref.ref(cap.records[0].weights)

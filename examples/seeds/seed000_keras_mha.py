@@ -14,7 +14,7 @@ import argparse
 import numpy as np
 import torch
 
-from multihead import layouts
+from multihead.compat import layouts
 
 input_seq_length, h, d_model, batch_size, random_seed = 5, 8, 512, 64, 42
 

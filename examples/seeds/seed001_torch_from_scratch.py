@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import multihead as mh
-from multihead import layouts
+from multihead.compat import layouts
 
 h, d_model, seq_len = 8, 512, 5
 

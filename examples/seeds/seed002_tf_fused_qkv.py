@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 import multihead as mh
-from multihead import layouts
-from multihead.attention import merge_heads
+from multihead.compat import layouts
+from multihead.nn import merge_heads
 
 input_dim, d_model, num_heads, batch_size, sequence_length = 512, 512, 8, 30, 4
 

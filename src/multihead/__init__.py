@@ -1,15 +1,12 @@
 """multihead: multi-head attention that is correct, fast and inspectable.
 
-The public names (see ``DESIGN.md``): the functional core :func:`attention` and its oracle
+The public names (``docs/architecture.md`` maps the package): the functional core :func:`attention` and its oracle
 :func:`attention_reference`, the :class:`MultiHeadAttention` module, the :mod:`masks` builders, and the
 Transformer built on them (:class:`Transformer`, its layers and stacks, :class:`KVCache`).
 """
 
-from . import masks
-from .attention import MultiHeadAttention
-from .cache import KVCache
-from .functional import AttentionOutput, attention, attention_reference
-from .rotary import RotaryEmbedding
+from .core import AttentionOutput, attention, attention_reference, masks
+from .nn import KVCache, MultiHeadAttention, RotaryEmbedding
 from .transformer import (
     FeedForward,
     PositionalEncoding,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .functional import AttentionOutput, attention_reference
+from .core.attention import AttentionOutput, attention_reference
 
 __all__ = ["ErrorReport", "compare_to_reference"]
 

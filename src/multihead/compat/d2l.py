@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from ..attention import MultiHeadAttention as _CoreMHA
-from ..attention import merge_heads, split_heads
-from ..functional import AttentionOutput, attention
-from ..layouts import SharedWeights, from_shared, module_from_state
+from ..core.attention import AttentionOutput, attention
+from ..nn.attention import MultiHeadAttention as _CoreMHA
+from ..nn.attention import merge_heads, split_heads
+from .layouts import SharedWeights, from_shared, module_from_state
 
 __all__ = ["DotProductAttention", "MultiHeadAttention"]
 

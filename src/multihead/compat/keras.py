@@ -323,7 +323,7 @@ class MultiHeadAttention(keras.layers.Layer):
 
         dropping = bool(training) and self._dropout > 0
         if USE_MULTIHEAD_ON_TORCH and keras.backend.backend() == "torch" and not dropping:
-            from ..functional import AttentionOutput, attention
+            from ..core.attention import AttentionOutput, attention
 
             res = attention(qh, kh, vh, mask=mask, causal=only_causal, return_weights=return_attention_scores)
             out, scores = res if isinstance(res, AttentionOutput) else (res, None)

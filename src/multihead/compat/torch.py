@@ -26,11 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import _inspect
-from ..attention import MultiHeadAttention as _CoreMHA
-from ..attention import merge_heads
-from ..functional import AttentionOutput, attention
-from ..masks import combine
+from ..core.attention import AttentionOutput, attention
+from ..core.masks import combine
+from ..nn import seam
+from ..nn.attention import MultiHeadAttention as _CoreMHA
+from ..nn.attention import merge_heads
 
 __all__ = ["IsCausalError", "MultiheadAttention"]
 
@@ -287,7 +287,7 @@ class MultiheadAttention(_CoreMHA):
             v = F.pad(v, (0, 0, 0, 1))  # (N, H, S', D)
 
         p = self.dropout if self.training else 0.0
-        inspector = _inspect.current()
+        inspector = seam.current()
         want = need_weights or (inspector is not None and inspector.wants_weights)
         if want and p > 0:  # torch returns the dropped-out weights and multiplies them by v
             weights = attention(q, k, v, mask=keep, bias=bias, return_weights=True).weights

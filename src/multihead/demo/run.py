@@ -181,7 +181,7 @@ def train(model: Transformer, ds: Dataset, cfg: DemoConfig, max_len: int) -> Tra
 
 def plot_training(log: TrainLog, path: Path) -> object:
     """Loss per step (log scale) and dev exact match at the checkpoints, to ``path`` (PNG)."""
-    fig = viz._figure(figsize=(7, 3.2), layout="constrained")
+    fig = viz.new_figure(figsize=(7, 3.2), layout="constrained")
     ax = fig.subplots()
     ax.plot(range(1, len(log.losses) + 1), log.losses, lw=0.8, color="tab:blue")
     ax.set_yscale("log")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention import MultiHeadAttention
+from ..nn.attention import MultiHeadAttention
 
 
 @dataclass

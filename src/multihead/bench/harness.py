@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import MultiHeadAttention, merge_heads, split_heads
-from .functional import attention
+from ..core.attention import attention
+from ..nn.attention import MultiHeadAttention, merge_heads, split_heads
 
 __all__ = ["Case", "cpu_suite", "cuda_suite", "main", "run_suite"]
 

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .attention import MultiHeadAttention
+from ..nn.attention import MultiHeadAttention
 
 __all__ = [
     "FusedWeights",

@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import _inspect
+from ..core.attention import AttentionOutput, attention, check_dropout
+from . import seam
 from .cache import KVCache
-from .functional import AttentionOutput, attention, check_dropout
 from .rotary import RotaryEmbedding
 
 __all__ = ["MultiHeadAttention"]
@@ -291,10 +291,10 @@ class MultiHeadAttention(nn.Module):
         q, k, v = self.project(query, key, value)  # (B, H, Lq, Dk), (B, Hkv, Lk, Dk), (B, Hkv, Lk, Dv)
         if cache is not None or self.rotary is not None:
             q, k, v = self._rotate_and_cache(q, k, v, cache)
-        inspector = _inspect.current()
+        inspector = seam.current()
         attend = attention
         if self.process_group is not None:  # sharded sequences: exact ring attention over the group
-            from .distributed import module_attention
+            from ..distributed.ring import module_attention
 
             attend = module_attention(self)
         res = attend(

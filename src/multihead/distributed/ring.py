@@ -40,10 +40,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from . import masks as _masks
-from .attention import MultiHeadAttention
-from .backends._common import group_mask, group_queries, ungroup
-from .functional import _scale, check_qkv
+from ..core import masks as _masks
+from ..core.attention import _scale, check_qkv
+from ..core.backends._common import group_mask, group_queries, ungroup
+from ..nn.attention import MultiHeadAttention
 
 __all__ = [
     "LAYOUTS",

@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import masks as _masks
-from .attention import MultiHeadAttention
-from .cache import KVCache
-from .functional import check_dropout
+from ..core import masks as _masks
+from ..core.attention import check_dropout
+from ..nn.attention import MultiHeadAttention
+from ..nn.cache import KVCache
 
 __all__ = [
     "FeedForward",

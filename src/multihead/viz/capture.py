@@ -1,0 +1,110 @@
+"""Record every attention module's per-head weights inside a ``with`` block.
+
+Dimensions: B batch, H heads, Lq query length, Lk key length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+from ..heads import attention_kind, attention_modules
+from ..nn import seam
+
+if TYPE_CHECKING:
+    pass
+
+
+# ------------------------------------------------------------------------------------------------
+# Capture
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttentionRecord:
+    """One call of one attention module: its name, kind and weights (B, H, Lq, Lk) (detached, on CPU)."""
+
+    name: str
+    kind: str
+    weights: Tensor
+
+
+@dataclass
+class Capture:
+    """The attention weights seen inside a :func:`capture` block, one record per module call."""
+
+    records: list[AttentionRecord] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def names(self, kind: str | None = None) -> list[str]:
+        """Modules that ran (optionally of one ``kind``), in the order they first ran."""
+        return list(dict.fromkeys(r.name for r in self.records if kind is None or r.kind == kind))
+
+    def kind(self, name: str) -> str:
+        """``"encoder self"``, ``"decoder self"``, ``"cross"`` or ``"self"`` for a captured module."""
+        return attention_kind(name)
+
+    def get(self, name: str) -> Tensor:
+        """All calls of module ``name`` joined along the queries: (B, H, sum of Lq, max Lk).
+
+        One full forward gives that call's weights as they are. Step-by-step decoding with a KV cache gives
+        one row per step; rows of earlier steps (shorter Lk) are padded with zeros on the right, so a
+        decoder's self-attention reads as the usual lower-triangular (B, H, T, T) matrix.
+        """
+        parts = [r.weights for r in self.records if r.name == name]
+        if not parts:
+            raise KeyError(f"no attention weights captured for {name!r}; captured: {self.names()}")
+        b, h = parts[0].shape[:2]
+        if any(p.shape[:2] != (b, h) for p in parts):
+            raise ValueError(
+                f"calls of {name!r} have different (B, H): {[tuple(p.shape[:2]) for p in parts]}; read "
+                f"the records one by one (capture.records) instead of joining them"
+            )
+        lk = max(p.shape[-1] for p in parts)
+        padded = [torch.nn.functional.pad(p, (0, lk - p.shape[-1])) for p in parts]  # (B, H, Lq_i, lk)
+        return torch.cat(padded, dim=2)  # (B, H, sum Lq_i, lk)
+
+    def by_kind(self, kind: str) -> dict[str, Tensor]:
+        """``{name: get(name)}`` for the modules of one kind, in run order."""
+        return {name: self.get(name) for name in self.names(kind)}
+
+
+class _Recorder(seam.Inspector):
+    wants_weights = True
+
+    def __init__(self, model: nn.Module, out: Capture) -> None:
+        self.names = {m: name for name, m in attention_modules(model).items()}
+        self.out = out
+
+    def on_heads(self, module: nn.Module, heads: Tensor, weights: Tensor | None) -> Tensor:
+        name = self.names.get(module)
+        if name is not None and weights is not None:
+            w = weights.detach().to("cpu", copy=True)  # (B, H, Lq, Lk), no graph, no shared storage
+            self.out.records.append(AttentionRecord(name, attention_kind(name), w))
+        return heads
+
+
+@contextmanager
+def capture(model: nn.Module) -> Iterator[Capture]:
+    """Collect every attention module's per-head weights while the block runs.
+
+    Records are labelled by the module's qualified name in ``model`` and its kind (encoder self,
+    decoder self, cross). Nothing is attached to the modules: no hooks, no attributes, no tensors
+    are left on them after the block (the :class:`Capture` you hold owns the weights)::
+
+        with viz.capture(model) as cap:
+            model(src, tgt)
+        cap.get("decoder.layers.0.cross_attn")   # (B, H, T, S)
+
+    Weights are the softmax probabilities before dropout, the same as ``return_weights=True`` gives.
+    """
+    out = Capture()
+    with seam.inspecting(_Recorder(model, out)):
+        yield out

@@ -21,7 +21,7 @@ import multihead as mh
 from multihead import cli
 from multihead.bench import harness as bench
 from multihead.core import backends
-from multihead.core.attention import explain_backends, prepare
+from multihead.core.attention import explain_backends, output_and_weights, prepare
 from multihead.core.backends.flex import FlexBackend
 
 
@@ -137,7 +137,7 @@ def _module_reference(m, x, **kw):
     k = F.linear(x, wk, bk).unflatten(-1, (m.kv_heads, -1)).transpose(1, 2)  # (B, Hkv, L, Dk)
     v = F.linear(x, wv, bv).unflatten(-1, (m.kv_heads, -1)).transpose(1, 2)  # (B, Hkv, L, Dv)
     res = mh.attention_reference(q, k, v, **kw)
-    out, w = res if isinstance(res, mh.AttentionOutput) else (res, None)
+    out, w = output_and_weights(res)
     y = m.out_proj(out.transpose(1, 2).flatten(2))  # (B, L, E)
     return y if w is None else (y, w)
 

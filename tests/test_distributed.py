@@ -149,6 +149,50 @@ def _module_case(rank, world):
     return errs
 
 
+def _compat_torch_case(rank, world):
+    """The torch drop-in under use_process_group: the single-process answer, or a clear refusal.
+
+    (Before the seam, its forward bypassed the ring and each rank attended to its own half: off by ~0.4.)
+    """
+    from multihead.compat.torch import MultiheadAttention
+
+    torch.manual_seed(1)
+    m = MultiheadAttention(16, 2, batch_first=True)
+    x = torch.randn(2, 8, 16)
+    pad = torch.zeros(2, 8, dtype=torch.bool)
+    pad[1, 6:] = True  # torch's meaning: True = padding
+    causal = nn.Transformer.generate_square_subsequent_mask(8)
+    want = {
+        "padding": m(x, x, x, key_padding_mask=pad, need_weights=False)[0],
+        "causal": m(x, x, x, attn_mask=causal, is_causal=True, need_weights=False)[0],
+    }
+    mhd.use_process_group(m, dist.group.WORLD)
+    xl = mhd.shard(x, 1, rank, world)
+    got = {
+        "padding": m(xl, xl, xl, key_padding_mask=mhd.shard(pad, 1, rank, world), need_weights=False)[0],
+        "causal": m(xl, xl, xl, attn_mask=causal[:4, :4], is_causal=True, need_weights=False)[0],
+    }
+    res = {k: float((got[k] - mhd.shard(want[k], 1, rank, world)).abs().max()) for k in want}
+    for name, call in {
+        "weights": lambda: m(xl, xl, xl),  # need_weights=True: torch's default
+        "bias_kv": lambda: _sharded_bias_kv(xl),
+    }.items():
+        try:
+            call()
+            res[name] = None
+        except ValueError as exc:
+            res[name] = str(exc)
+    return res
+
+
+def _sharded_bias_kv(xl):
+    from multihead.compat.torch import MultiheadAttention
+
+    m = MultiheadAttention(16, 2, add_bias_kv=True, batch_first=True)
+    mhd.use_process_group(m, dist.group.WORLD)
+    return m(xl, xl, xl, need_weights=False)
+
+
 def _error_cases(rank, world):
     """Bad calls must raise on every rank (none hangs); the group stays usable afterwards."""
     caught = {}
@@ -182,6 +226,7 @@ def _job(cases, with_errors):
     torch.set_num_threads(1)  # the ranks share the machine's cores
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {"errors": _error_cases(rank, world) if with_errors else {}, "module": _module_case(rank, world)}
+    out["compat_torch"] = _compat_torch_case(rank, world) if with_errors else {}
     out["cases"] = {c["name"]: _ring_case(c, rank, world) for c in cases}
     return out
 
@@ -223,6 +268,12 @@ def test_two_ranks():
     per_rank = mhd.launch(_job, 2, (CASES, True), timeout=150)
     failures = _case_failures(per_rank)
     assert not failures, "\n".join(failures)
+
+    for r in per_rank:  # the torch drop-in under a process group: exact, or a clear refusal
+        c = r["compat_torch"]
+        assert c["padding"] < 1e-5 and c["causal"] < 1e-5, c
+        assert "return_weights=True is not supported" in c["weights"]
+        assert "add_bias_kv / add_zero_attn" in c["bias_kv"]
 
     # bad calls raise on every rank (none hangs), and the group stays usable afterwards
     e0, e1 = (r["errors"] for r in per_rank)
@@ -330,8 +381,11 @@ def test_use_process_group_none_restores_single_process():
     model = _CausalStack()
     x = torch.randn(1, 5, 16)
     before = model(x)
+    originals = [b.attention_fn for b in model.blocks]
+    mhd.use_process_group(model, object())  # installs without communicating
+    assert all(isinstance(b.attention_fn, mhd.ShardedAttention) for b in model.blocks)
     mhd.use_process_group(model, None)
-    assert all(b.process_group is None for b in model.blocks)
+    assert [b.attention_fn for b in model.blocks] == originals
     torch.testing.assert_close(model(x), before, rtol=0, atol=0)
 
 
@@ -345,14 +399,24 @@ def test_zigzag_balances_causal_work(world):
     assert mhd.causal_work(8, 2, "contiguous") == [16, 32] and mhd.causal_work(8, 2, "zigzag") == [24, 24]
 
 
-@pytest.mark.parametrize("what", ["cache", "rotary"])
-def test_process_group_rejects_rank_local_positions(what):
-    """Rotary positions and a KV cache are per rank: with a process group they are refused, not wrong."""
-    mha = mh.MultiHeadAttention(16, 2, rotary=what == "rotary")
-    mha.process_group = object()  # any group: the check comes before any communication
-    kw = {"cache": mh.KVCache()} if what == "cache" else {}
-    with pytest.raises(ValueError, match="process_group.*cannot use"):
-        mha(torch.randn(1, 4, 16), causal=True, **kw)
+def test_process_group_rejects_rotary_at_install():
+    """Rotary positions are per rank: installing ring attention on a rotary module is refused, not wrong."""
+    model = nn.Sequential(mh.MultiHeadAttention(16, 2), mh.MultiHeadAttention(16, 2, rotary=True))
+    with pytest.raises(ValueError, match="sharded sequences cannot use rotary"):
+        mhd.use_process_group(model, object())
+    assert not any(isinstance(m.attention_fn, mhd.ShardedAttention) for m in model)  # all or nothing
+    with pytest.raises(ValueError, match="sharded sequences cannot use rotary"):
+        mh.MultiHeadAttention(
+            16, 2, rotary=True, attention_fn=mhd.ShardedAttention(object(), "zigzag", mh.attention)
+        )
+
+
+def test_process_group_rejects_a_kv_cache():
+    """A KV cache's keys are per rank: a call with a cache on a sharded module is refused, not wrong."""
+    mha = mh.MultiHeadAttention(16, 2)
+    mhd.use_process_group(mha, object())  # any group: the check comes before any communication
+    with pytest.raises(ValueError, match="sharded sequences cannot use a KV cache"):
+        mha(torch.randn(1, 4, 16), causal=True, cache=mh.KVCache())
 
 
 @pytest.mark.parametrize("masked", ["none", "staircase", "dead rows", "triangle", "triangle+padding"])

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .core.attention import AttentionOutput, attention_reference
+from .core.attention import AttentionOutput, attention_reference, output_and_weights
 
 __all__ = ["ErrorReport", "compare_to_reference"]
 
@@ -50,10 +50,6 @@ def _to64(x: object) -> object:
     return x.double() if isinstance(x, Tensor) and x.is_floating_point() else x
 
 
-def _split(res: Tensor | AttentionOutput) -> tuple[Tensor, Tensor | None]:
-    return (res.output, res.weights) if isinstance(res, AttentionOutput) else (res, None)
-
-
 def compare_to_reference(
     fn: Callable[..., Tensor | AttentionOutput],
     q: Tensor,
@@ -69,11 +65,11 @@ def compare_to_reference(
     ``causal``, ``scale``, ``return_weights``...); float tensors among them (``bias``) are promoted to
     float64 for the gold run. Use ``report.ok`` or read the numbers.
     """
-    gold_out, gold_w = _split(
+    gold_out, gold_w = output_and_weights(
         attention_reference(_to64(q), _to64(k), _to64(v), **{n: _to64(x) for n, x in kwargs.items()})
     )
-    fast_out, fast_w = _split(fn(q, k, v, **kwargs))
-    ref_out, ref_w = _split(attention_reference(q, k, v, **kwargs))
+    fast_out, fast_w = output_and_weights(fn(q, k, v, **kwargs))
+    ref_out, ref_w = output_and_weights(attention_reference(q, k, v, **kwargs))
 
     def err(a: Tensor | None, b: Tensor | None) -> float | None:
         return None if a is None or b is None else float((a.double() - b).abs().max()) if a.numel() else 0.0

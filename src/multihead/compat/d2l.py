@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from ..core.attention import AttentionOutput, attention
+from ..core.attention import attention
+from ..nn import seam
 from ..nn.attention import MultiHeadAttention as _CoreMHA
 from ..nn.attention import merge_heads, split_heads
 from .layouts import SharedWeights, from_shared, module_from_state
@@ -48,6 +49,8 @@ class DotProductAttention(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.keep_weights = keep_weights
         self._weights: Tensor | None = None
+        self.attention_fn: seam.AttentionFn = attention  # the seam's contract (multihead.nn.seam.attend)
+        self.backend = "auto"
 
     @property
     def attention_weights(self) -> Tensor:
@@ -62,12 +65,11 @@ class DotProductAttention(nn.Module):
     def attend(self, q: Tensor, k: Tensor, v: Tensor, valid_lens: Tensor | None) -> Tensor:
         """Heads already split: q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv)."""
         p = self.dropout.p if self.training else 0.0
-        res = attention(q, k, v, valid_lens=_lens(valid_lens), dropout=p, return_weights=self.keep_weights)
-        if isinstance(res, AttentionOutput):
-            self._weights = res.weights.detach().flatten(0, 1)  # (B*H, Lq, Lk), d2l's layout
-            return res.output
-        self._weights = None
-        return res
+        out, weights = seam.attend(
+            self, q, k, v, valid_lens=_lens(valid_lens), dropout=p, return_weights=self.keep_weights
+        )  # (B, H, Lq, Dv), (B, H, Lq, Lk) | None
+        self._weights = None if weights is None else weights.detach().flatten(0, 1)  # (B*H, Lq, Lk), d2l's
+        return out
 
     def forward(
         self, queries: Tensor, keys: Tensor, values: Tensor, valid_lens: Tensor | None = None

@@ -323,10 +323,10 @@ class MultiHeadAttention(keras.layers.Layer):
 
         dropping = bool(training) and self._dropout > 0
         if USE_MULTIHEAD_ON_TORCH and keras.backend.backend() == "torch" and not dropping:
-            from ..core.attention import AttentionOutput, attention
+            from ..core.attention import attention, output_and_weights
 
             res = attention(qh, kh, vh, mask=mask, causal=only_causal, return_weights=return_attention_scores)
-            out, scores = res if isinstance(res, AttentionOutput) else (res, None)
+            out, scores = output_and_weights(res)
         else:
             if only_causal:
                 mask = ops.expand_dims(positional, 0)  # (1, T, S) -> broadcast over heads below

@@ -26,13 +26,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..core.attention import AttentionOutput, attention
+from ..core.attention import AttentionOutput, attention, output_and_weights
 from ..core.masks import combine
 from ..nn import seam
 from ..nn.attention import MultiHeadAttention as _CoreMHA
-from ..nn.attention import merge_heads
+from ..nn.attention import map_inputs, merge_heads
 
-__all__ = ["IsCausalError", "MultiheadAttention"]
+__all__ = ["IsCausalError", "MultiheadAttention", "torch_attention"]
 
 
 def _flags(m: nn.Module) -> dict[str, object]:
@@ -49,6 +49,29 @@ def _flags(m: nn.Module) -> dict[str, object]:
         "device": ref.device,
         "dtype": ref.dtype,
     }
+
+
+def torch_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    dropout: float = 0.0,
+    return_weights: bool = False,
+    **kwargs: object,
+) -> Tensor | AttentionOutput:
+    """:func:`multihead.attention` with torch's training-mode weights: with dropout and returned weights,
+    torch returns the *dropped-out* weights and multiplies those by ``v``; otherwise the same call.
+
+    q (N, H, L, D), k (N, H, S, D), v (N, H, S, D) -> (N, H, L, D) [and weights (N, H, L, S)].
+    """
+    if not (return_weights and dropout > 0):
+        return attention(q, k, v, dropout=dropout, return_weights=return_weights, **kwargs)  # type: ignore[arg-type]
+    kwargs.pop("backend", None)
+    _, weights = output_and_weights(attention(q, k, v, return_weights=True, **kwargs))  # type: ignore[arg-type]
+    assert weights is not None
+    weights = F.dropout(weights, p=dropout)  # (N, H, L, S)
+    return AttentionOutput(torch.matmul(weights, v), weights)  # (N, H, L, D)
 
 
 class IsCausalError(ValueError, RuntimeError):
@@ -126,7 +149,15 @@ class MultiheadAttention(_CoreMHA):
                 f"torch.nn.MultiheadAttention; multihead.MultiHeadAttention(head_dim=...) lifts this limit"
             )
         super().__init__(
-            embed_dim, num_heads, kdim=kdim, vdim=vdim, bias=bias, dropout=dropout, device=device, dtype=dtype
+            embed_dim,
+            num_heads,
+            kdim=kdim,
+            vdim=vdim,
+            bias=bias,
+            dropout=dropout,
+            attention_fn=torch_attention,
+            device=device,
+            dtype=dtype,
         )
         self.batch_first = bool(batch_first)
         self.add_zero_attn = bool(add_zero_attn)
@@ -192,8 +223,8 @@ class MultiheadAttention(_CoreMHA):
         lk: int,
         extra: int,
         device: torch.device,
-    ) -> tuple[Tensor | None, Tensor | None]:
-        """torch's masks to (keep (N|1, H|1, L, S'), bias) in the library's convention."""
+    ) -> tuple[Tensor | None, Tensor | None, bool]:
+        """torch's masks to (keep (N|1, H|1, L, S'), bias, causal) in the library's convention."""
         if is_causal and attn_mask is None:
             raise IsCausalError(
                 "is_causal=True needs attn_mask (torch's rule: is_causal is a hint that attn_mask is the "
@@ -201,8 +232,11 @@ class MultiheadAttention(_CoreMHA):
             )
         kpm_keep, kpm_bias = _keep_and_bias(key_padding_mask, "key_padding_mask")
         if is_causal and key_padding_mask is None and not need_weights:
-            # torch hands is_causal to SDPA and drops attn_mask: a top-left causal mask over all S' keys.
-            return torch.ones(lq, lk + extra, dtype=torch.bool, device=device).tril(), None  # (L, S')
+            # torch hands is_causal to SDPA and drops attn_mask: a top-left causal mask over all S' keys,
+            # which is the library's (bottom-right) causal=True when L == S' (then ring attention serves it).
+            if lq == lk + extra:
+                return None, None, True
+            return torch.ones(lq, lk + extra, dtype=torch.bool, device=device).tril(), None, False  # (L, S')
         am_keep, am_bias = _keep_and_bias(attn_mask, "attn_mask")
         am = attn_mask
         if am is not None:
@@ -224,7 +258,7 @@ class MultiheadAttention(_CoreMHA):
             kpm_bias = None if kpm_bias is None else kpm_bias[:, None, None, :]  # (N, 1, 1, S)
         keep = combine(am_keep, kpm_keep)
         bias = am_bias if kpm_bias is None else (kpm_bias if am_bias is None else am_bias + kpm_bias)
-        return _pad_keys(keep, bias, extra)
+        return (*_pad_keys(keep, bias, extra), False)
 
     def forward(  # type: ignore[override]
         self,
@@ -256,20 +290,20 @@ class MultiheadAttention(_CoreMHA):
         dropout > 0 they are the dropped-out weights, as in torch). Rows with no allowed key: zeros.
         """
         batched = self._check_forward(query, key, value, key_padding_mask, attn_mask)
-        same_k, same_v = key is query, value is key
-        if batched and not self.batch_first:  # (L, N, E) -> (N, L, E), keeping `is` for the fused path
-            query = query.transpose(0, 1)
-            key = query if same_k else key.transpose(0, 1)
-            value = key if same_v else value.transpose(0, 1)
-        elif not batched:  # (L, E) -> (1, L, E)
-            query = query.unsqueeze(0)
-            key = query if same_k else key.unsqueeze(0)
-            value = key if same_v else value.unsqueeze(0)
+        if batched and not self.batch_first:
+            query, key, value = map_inputs(lambda t: t.transpose(0, 1), query, key, value)  # (N, L, E)
+        elif not batched:
+            query, key, value = map_inputs(lambda t: t.unsqueeze(0), query, key, value)  # (1, L, E)
             key_padding_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(0)  # (1, S)
         self._check_inputs(query, key, value)
         n, lq, lk = query.shape[0], query.shape[1], key.shape[1]
         extra = int(self.bias_k is not None) + int(self.add_zero_attn)
-        keep, bias = self._masks(
+        if extra and seam.is_sharded(self.attention_fn):
+            raise ValueError(
+                "add_bias_kv / add_zero_attn append a key to the sequence, which ring attention over sharded "
+                "sequences would append once per rank; run this module in a single process"
+            )
+        keep, bias, causal = self._masks(
             key_padding_mask, attn_mask, is_causal, need_weights, n, lq, lk, extra, query.device
         )
 
@@ -286,27 +320,24 @@ class MultiheadAttention(_CoreMHA):
             k = F.pad(k, (0, 0, 0, 1))  # (N, H, S', D)
             v = F.pad(v, (0, 0, 0, 1))  # (N, H, S', D)
 
-        p = self.dropout if self.training else 0.0
-        inspector = seam.current()
-        want = need_weights or (inspector is not None and inspector.wants_weights)
-        if want and p > 0:  # torch returns the dropped-out weights and multiplies them by v
-            weights = attention(q, k, v, mask=keep, bias=bias, return_weights=True).weights
-            weights = F.dropout(weights, p=p)  # (N, H, L, S')
-            out_heads: Tensor = torch.matmul(weights, v)  # (N, H, L, D)
-        else:
-            res = attention(
-                q, k, v, mask=keep, bias=bias, dropout=p, return_weights=want, backend=self.backend
-            )
-            out_heads, weights = res if isinstance(res, AttentionOutput) else (res, None)
-        if inspector is not None:
-            out_heads = inspector.on_heads(self, out_heads, weights)
+        out_heads, weights = seam.attend(
+            self,
+            q,
+            k,
+            v,
+            mask=keep,
+            bias=bias,
+            causal=causal,
+            dropout=self.dropout if self.training else 0.0,
+            return_weights=need_weights,
+        )  # (N, H, L, D), (N, H, L, S') | None
         out = self.out_proj(merge_heads(out_heads))  # (N, L, E)
 
         if not batched:
             out = out.squeeze(0)  # (L, E)
         elif not self.batch_first:
             out = out.transpose(0, 1)  # (L, N, E)
-        if not need_weights or weights is None:
+        if weights is None:
             return out, None
         if average_attn_weights:
             weights = weights.mean(dim=1)  # (N, L, S')

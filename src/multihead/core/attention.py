@@ -19,7 +19,7 @@ from torch import Tensor
 from . import backends as _backends
 from . import masks as _masks
 
-__all__ = ["AttentionOutput", "attention", "attention_reference", "explain_backends"]
+__all__ = ["AttentionOutput", "attention", "attention_reference", "explain_backends", "output_and_weights"]
 
 
 class AttentionOutput(NamedTuple):
@@ -30,6 +30,13 @@ class AttentionOutput(NamedTuple):
 
     output: Tensor
     weights: Tensor
+
+
+def output_and_weights(res: Tensor | AttentionOutput) -> tuple[Tensor, Tensor | None]:
+    """``attention(...)``'s result as ``(output, weights or None)``: the one place the union is unpacked."""
+    if isinstance(res, AttentionOutput):
+        return res.output, res.weights
+    return res, None
 
 
 def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:

@@ -26,6 +26,7 @@ skip the key blocks (or the query rows) that the causal mask hides entirely.
 
 from .ring import (
     LAYOUTS,
+    ShardedAttention,
     causal_work,
     gather_sequence,
     launch,
@@ -38,6 +39,7 @@ from .ring import (
 
 __all__ = [
     "LAYOUTS",
+    "ShardedAttention",
     "causal_work",
     "gather_sequence",
     "launch",

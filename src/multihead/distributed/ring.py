@@ -44,6 +44,7 @@ from ..core import masks as _masks
 from ..core.attention import _scale, check_qkv
 from ..core.backends._common import group_mask, group_queries, ungroup
 from ..nn.attention import MultiHeadAttention
+from ..nn.seam import check_positions
 
 __all__ = [
     "LAYOUTS",
@@ -52,6 +53,7 @@ __all__ = [
     "launch",
     "ring_attention",
     "shard",
+    "ShardedAttention",
     "sharded_attention",
     "unshard",
     "use_process_group",
@@ -774,30 +776,47 @@ def sharded_attention(
     )
 
 
-def module_attention(module: MultiHeadAttention) -> Callable[..., Tensor]:
-    """The attention function a module with a ``process_group`` calls (see :func:`use_process_group`)."""
-    layout = getattr(module, "sequence_layout", "contiguous")
-    return functools.partial(sharded_attention, group=module.process_group, layout=layout)
+@dataclass(frozen=True)
+class ShardedAttention:
+    """An ``attention_fn`` for modules whose inputs are this rank's shards: ring attention over ``group``.
+
+    Same signature as :func:`multihead.attention` (see :func:`sharded_attention` for what it refuses);
+    ``local`` is the module's attention function before it was installed, restored by
+    ``use_process_group(model, None)``.
+    """
+
+    group: Any
+    layout: str
+    local: Callable[..., Any]
+    sharded: bool = True  # read by multihead.nn.seam: positions (rotary, KV cache) are per rank
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Tensor:
+        return sharded_attention(q, k, v, group=self.group, layout=self.layout, **kwargs)
 
 
 def use_process_group(model: nn.Module, group: Any, *, layout: str = "contiguous") -> list[str]:
     """Make every :class:`~multihead.MultiHeadAttention` inside ``model`` run ring attention over ``group``.
 
-    Afterwards each rank feeds the model its shard of every sequence, (B, L_r, E), cut with
-    :func:`shard` in the same ``layout``; token-wise layers (projections, feed-forward, norms) need
-    nothing else. ``group=None`` switches back to single-process attention; pass
-    ``torch.distributed.group.WORLD`` for all ranks. Returns the names of the modules it set.
+    It installs a :class:`ShardedAttention` as each module's ``attention_fn`` (the torch drop-in
+    :class:`multihead.compat.torch.MultiheadAttention` included). Afterwards each rank feeds the model its
+    shard of every sequence, (B, L_r, E), cut with :func:`shard` in the same ``layout``; token-wise layers
+    (projections, feed-forward, norms) need nothing else. ``group=None`` restores each module's own
+    attention function; pass ``torch.distributed.group.WORLD`` for all ranks. Modules with rotary
+    embeddings are refused here (their positions would be per rank). Returns the names of the modules set.
     """
     _check_layout(layout)
-    names = []
-    for name, m in model.named_modules():
-        if isinstance(m, MultiHeadAttention):
-            m.process_group = group
-            m.sequence_layout = layout
-            names.append(name)
-    if not names:
+    found = {name: m for name, m in model.named_modules() if isinstance(m, MultiHeadAttention)}
+    if not found:
         raise ValueError(f"{type(model).__name__} contains no multihead.MultiHeadAttention to set a group on")
-    return names
+    for m in found.values():
+        if group is not None:
+            check_positions(
+                m, ShardedAttention(group, layout, m.attention_fn), rotary=m.rotary is not None, cache=False
+            )
+    for m in found.values():
+        local = m.attention_fn.local if isinstance(m.attention_fn, ShardedAttention) else m.attention_fn
+        m.attention_fn = local if group is None else ShardedAttention(group, layout, local)
+    return list(found)
 
 
 # ----------------------------------------------------------------------------------------------

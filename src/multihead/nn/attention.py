@@ -15,6 +15,8 @@ Within each projection, head ``i`` owns rows ``[i*D, (i+1)*D)``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -24,7 +26,7 @@ from . import seam
 from .cache import KVCache
 from .rotary import RotaryEmbedding
 
-__all__ = ["MultiHeadAttention"]
+__all__ = ["MultiHeadAttention", "map_inputs", "merge_heads", "split_heads"]
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -41,6 +43,21 @@ def split_heads(x: Tensor, heads: int) -> Tensor:
 def merge_heads(x: Tensor) -> Tensor:
     """(B, heads, L, D) -> (B, L, heads*D)."""
     return x.transpose(1, 2).flatten(2)  # (B, L, heads*D)
+
+
+def map_inputs(
+    fn: Callable[[Tensor], Tensor], query: Tensor, key: Tensor, value: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``fn`` applied to query, key and value, keeping ``key is query`` and ``value is key``.
+
+    The identities are what :meth:`MultiHeadAttention.project` reads to fuse the projections, so a
+    reshape of self-attention inputs (unbatched -> batched, sequence first -> batch first) keeps them.
+    """
+    same_k, same_v = key is query, value is key
+    query = fn(query)
+    key = query if same_k else fn(key)
+    value = key if same_v else fn(value)
+    return query, key, value
 
 
 class MultiHeadAttention(nn.Module):
@@ -72,10 +89,12 @@ class MultiHeadAttention(nn.Module):
     new queries see every earlier key); a filled static cache (cross-attention) is reused as is and the
     key/value projection is skipped.
 
-    ``backend`` (attribute, default ``"auto"``) is passed to :func:`multihead.attention`.
-    ``process_group`` (attribute, default ``None``): a ``torch.distributed`` group; when set, the inputs
-    are this rank's shards of the sequences and attention is exact ring attention over the group (set it
-    with :func:`multihead.distributed.use_process_group`).
+    ``attention_fn`` (constructor keyword and attribute, default :func:`multihead.attention`): the
+    function that computes attention from the projected heads, with :func:`multihead.attention`'s
+    signature; every call goes through :func:`multihead.nn.seam.attend`, which also applies the active
+    inspection (capture, head gates). Ring attention plugs in here
+    (:func:`multihead.distributed.use_process_group`). ``backend`` (attribute, default ``"auto"``) is
+    passed to it.
     """
 
     def __init__(
@@ -92,6 +111,7 @@ class MultiHeadAttention(nn.Module):
         bias: bool = True,
         dropout: float = 0.0,
         rotary: bool = False,
+        attention_fn: seam.AttentionFn | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -118,7 +138,13 @@ class MultiHeadAttention(nn.Module):
         self.dropout = check_dropout(dropout)
         self.backend = "auto"
         self.rotary = RotaryEmbedding(self.head_dim) if rotary else None
-        self.process_group = None  # torch.distributed group: sequences are sharded, see multihead.distributed
+        self.attention_fn: seam.AttentionFn = attention if attention_fn is None else attention_fn
+        if not callable(self.attention_fn):
+            raise TypeError(
+                f"attention_fn must be a function with multihead.attention's signature, got "
+                f"{type(attention_fn).__name__}"
+            )
+        seam.check_positions(self, self.attention_fn, rotary=rotary, cache=False)
 
         nq, nk, nv = self._proj_sizes()
         self._qkv_same_embed_dim = self.kdim == self.embed_dim and self.vdim == self.embed_dim
@@ -272,32 +298,18 @@ class MultiHeadAttention(nn.Module):
         key = query if key is None else key
         value = key if value is None else value
         unbatched = isinstance(query, Tensor) and query.dim() == 2
-        if unbatched:  # (L, E) -> (1, L, E), keeping `key is query` identity for the fused path
-            same_k, same_v = key is query, value is key
-            query = query.unsqueeze(0)
-            key = query if same_k else key.unsqueeze(0)
-            value = key if same_v else value.unsqueeze(0)
+        if unbatched:
+            query, key, value = map_inputs(lambda t: t.unsqueeze(0), query, key, value)  # (1, L, *)
         self._check_inputs(query, key, value)
         if cache is not None and cache.static and cache.keys is not None:  # K/V of this source are cached
             key, value = key[:, :0], value[:, :0]  # (B, 0, kdim), (B, 0, vdim): nothing left to project
 
-        if self.process_group is not None and (cache is not None or self.rotary is not None):
-            raise ValueError(
-                "a module with a process_group (ring attention over sharded sequences) cannot use "
-                f"{'a KV cache' if cache is not None else 'rotary=True'}: positions and cached keys are "
-                "per rank; decode in a single process (use_process_group(model, None)) and add positions "
-                "by global index before sharding (see docs/distributed.md)"
-            )
+        seam.check_positions(self, self.attention_fn, rotary=self.rotary is not None, cache=cache is not None)
         q, k, v = self.project(query, key, value)  # (B, H, Lq, Dk), (B, Hkv, Lk, Dk), (B, Hkv, Lk, Dv)
         if cache is not None or self.rotary is not None:
             q, k, v = self._rotate_and_cache(q, k, v, cache)
-        inspector = seam.current()
-        attend = attention
-        if self.process_group is not None:  # sharded sequences: exact ring attention over the group
-            from ..distributed.ring import module_attention
-
-            attend = module_attention(self)
-        res = attend(
+        out_heads, weights = seam.attend(
+            self,
             q,
             k,
             v,
@@ -306,14 +318,9 @@ class MultiHeadAttention(nn.Module):
             valid_lens=valid_lens,
             causal=causal,
             dropout=self.dropout if self.training else 0.0,
-            return_weights=return_weights or (inspector is not None and inspector.wants_weights),
-            backend=self.backend,
-        )
+            return_weights=return_weights,
+        )  # (B, H, Lq, Dv), (B, H, Lq, Lk) | None
         del q, k, v  # without grad, the projections are freed before the output projection allocates
-        out_heads, weights = res if isinstance(res, AttentionOutput) else (res, None)  # (B, H, Lq, Dv)
-        if inspector is not None:
-            out_heads = inspector.on_heads(self, out_heads, weights)
-            weights = weights if return_weights else None
         out = self.out_proj(merge_heads(out_heads))  # (B, Lq, O)
         if unbatched:
             out = out.squeeze(0)

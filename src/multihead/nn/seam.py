@@ -1,19 +1,40 @@
-"""A context-scoped hook into every ``MultiHeadAttention`` forward, for tools that look inside heads.
+"""The seam: the one place every attention computation of a module goes through.
 
-An :class:`Inspector` made active with :func:`inspecting` sees each attention module's per-head output
-before the heads are merged (and may scale it: head gates for importance scores), and, if it asks for
-them, the per-head weights. Nothing is stored on the modules: leaving the ``with`` block leaves no trace.
+Dimensions: B batch, H query heads, Hkv key/value heads, Lq/Lk lengths, Dk/Dv head dims.
 
-Dimensions: B batch, H heads, Lq/Lk lengths, Dv value head dim.
+A module that attends (``MultiHeadAttention``, the torch and d2l drop-ins, the Hugging Face integration)
+projects its inputs to heads and then calls :func:`attend`, which
+
+1. calls the module's ``attention_fn`` -- any function with :func:`multihead.attention`'s signature
+   (the default), e.g. ring attention installed by :func:`multihead.distributed.use_process_group`;
+2. applies the active :class:`Inspector`, if any: capture of per-head weights, head gates for
+   importance and masking (:mod:`multihead.viz`, :mod:`multihead.heads`).
+
+Nothing is stored on the modules: an inspector is active only inside its ``with inspecting(...)`` block
+(a context variable), and leaving the block leaves no trace. Code that replaces the attention
+computation plugs in as an ``attention_fn``, never as a branch inside a module's ``forward``.
+
+An attention function may carry ``sharded = True``: its inputs are one rank's shards of the sequences
+(ring attention). A module whose positions are per call (rotary embeddings, a KV cache) cannot use such a
+function, and :func:`check_positions` says so.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import Protocol
 
 from torch import Tensor, nn
+
+from ..core.attention import AttentionOutput, output_and_weights
+
+__all__ = ["AttentionFn", "Inspector", "attend", "check_positions", "current", "inspecting", "is_sharded"]
+
+AttentionFn = Callable[..., Tensor | AttentionOutput]
+"""``fn(q, k, v, *, mask, bias, valid_lens, causal, scale, dropout, return_weights, backend)`` as
+:func:`multihead.attention`: q (B, H, Lq, Dk), k (B, Hkv, Lk, Dk), v (B, Hkv, Lk, Dv) -> (B, H, Lq, Dv)."""
 
 _ACTIVE: ContextVar[Inspector | None] = ContextVar("multihead_inspector", default=None)
 
@@ -41,3 +62,68 @@ def inspecting(inspector: Inspector) -> Iterator[Inspector]:
         yield inspector
     finally:
         _ACTIVE.reset(token)
+
+
+class AttentionModule(Protocol):
+    """What :func:`attend` needs of a module: its attention function and backend choice."""
+
+    attention_fn: AttentionFn
+    backend: str
+
+
+def is_sharded(fn: AttentionFn) -> bool:
+    """Whether ``fn`` takes one rank's shards of the sequences (ring attention)."""
+    return bool(getattr(fn, "sharded", False))
+
+
+def check_positions(module: nn.Module, fn: AttentionFn, *, rotary: bool, cache: bool) -> None:
+    """Refuse a sharded attention function on a module whose positions are per call (rotary, KV cache)."""
+    if is_sharded(fn) and (rotary or cache):
+        what = "a KV cache" if cache else "rotary=True"
+        raise ValueError(
+            f"{type(module).__name__} with ring attention over sharded sequences cannot use {what}: "
+            "positions and cached keys are per rank; decode in a single process "
+            "(multihead.distributed.use_process_group(model, None)) and add positions by global index "
+            "before sharding (see docs/distributed.md)"
+        )
+
+
+def attend(
+    module: AttentionModule,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Tensor | None = None,
+    bias: Tensor | None = None,
+    valid_lens: Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    dropout: float = 0.0,
+    return_weights: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Attention of one module call: q (B, H, Lq, Dk), k (B, Hkv, Lk, Dk), v (B, Hkv, Lk, Dv).
+
+    Returns ``(heads (B, H, Lq, Dv), weights (B, H, Lq, Lk) or None)``: the heads after the active
+    inspector (if any) saw them, and the weights only when ``return_weights``. The inspector may ask for
+    weights (``wants_weights``); the module's caller still gets them only if it asked.
+    """
+    inspector = _ACTIVE.get()
+    want = return_weights or (inspector is not None and inspector.wants_weights)
+    res = module.attention_fn(
+        q,
+        k,
+        v,
+        mask=mask,
+        bias=bias,
+        valid_lens=valid_lens,
+        causal=causal,
+        scale=scale,
+        dropout=dropout,
+        return_weights=want,
+        backend=module.backend,
+    )
+    heads, weights = output_and_weights(res)  # (B, H, Lq, Dv), (B, H, Lq, Lk) | None
+    if inspector is not None:
+        heads = inspector.on_heads(module, heads, weights)  # type: ignore[arg-type]
+    return heads, (weights if return_weights else None)

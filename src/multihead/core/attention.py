@@ -10,7 +10,6 @@ aligned; all combine with AND; a query row with no allowed key gets output 0 and
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
@@ -18,6 +17,7 @@ from torch import Tensor
 
 from . import backends as _backends
 from . import masks as _masks
+from .checks import check_dropout, check_scale
 
 __all__ = ["AttentionOutput", "attention", "attention_reference", "explain_backends", "output_and_weights"]
 
@@ -80,21 +80,6 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
         )
 
 
-def check_dropout(dropout: float, name: str = "dropout") -> float:
-    """A dropout probability in [0, 1)."""
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
-        raise ValueError(f"{name} must be a probability in [0, 1), got {dropout!r}")
-    return float(dropout)
-
-
-def _scale(scale: float | None, dk: int) -> float:
-    if scale is None:
-        return 1.0 / math.sqrt(dk)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise ValueError(f"scale must be a finite number or None (= 1/sqrt(Dk)), got {scale!r}")
-    return float(scale)
-
-
 def prepare(
     q: Tensor,
     k: Tensor,
@@ -121,7 +106,7 @@ def prepare(
         device=q.device,
     )
     return _backends.AttentionCall(
-        q, k, v, norm, _scale(scale, q.shape[-1]), check_dropout(dropout), bool(return_weights)
+        q, k, v, norm, check_scale(scale, q.shape[-1]), check_dropout(dropout), bool(return_weights)
     )
 
 
@@ -216,7 +201,7 @@ def attention_reference(
     b, h, lq, dk = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     target = (b, h, lq, lk)
-    scale = _scale(scale, dk)
+    scale = check_scale(scale, dk)
     dropout = check_dropout(dropout)
 
     k = k.repeat_interleave(h // hkv, dim=1)  # (B, H, Lk, Dk)

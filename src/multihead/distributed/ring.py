@@ -41,8 +41,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..core import masks as _masks
-from ..core.attention import _scale, check_qkv
+from ..core.attention import check_qkv
 from ..core.backends._common import group_mask, group_queries, ungroup
+from ..core.checks import check_scale
 from ..nn.attention import MultiHeadAttention
 from ..nn.seam import check_positions
 
@@ -245,7 +246,7 @@ def _make_plan(
     error: Exception | None = None
     try:
         meta = _local_meta(q, k, v, causal, layout, valid_lens, key_mask)
-        scale = _scale(scale, q.shape[-1])
+        scale = check_scale(scale, q.shape[-1])
     except (TypeError, ValueError) as exc:
         error, meta = exc, [0] * len(_META)
     mine = torch.tensor(meta, dtype=torch.long, device=_comm_device(group, q))

@@ -6,6 +6,7 @@ from collections.abc import Iterable, Mapping
 
 from torch import Tensor, nn
 
+from ..core.checks import is_int
 from ..nn.attention import MultiHeadAttention
 
 HeadSpec = Mapping[str, Iterable[int]] | Iterable[int]
@@ -69,7 +70,7 @@ def _resolve(model: nn.Module, heads: HeadSpec, *, argument: str = "heads") -> d
         picked = []
         for i in idx:
             i = int(i) if isinstance(i, Tensor) and i.numel() == 1 else i
-            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < h:
+            if not is_int(i, 0) or i >= h:
                 raise ValueError(
                     f"{argument}[{name!r}] must hold head indices in [0, {h}) (the module has {h} heads "
                     f"now), got {i!r}"

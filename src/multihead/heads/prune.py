@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from ..core.checks import is_int
 from ..nn.attention import MultiHeadAttention
 from .importance import rank
 from .naming import HeadSpec, _resolve, attention_modules, head_counts
@@ -213,11 +214,11 @@ def prune_iteratively(
         raise ValueError(f"step must be a fraction of the heads in (0, 1], got {step!r}")
     if budget < 0:
         raise ValueError(f"budget must be >= 0 (how much the metric may drop), got {budget!r}")
-    if isinstance(min_heads, bool) or not isinstance(min_heads, int) or min_heads < 1:
+    if not is_int(min_heads, 1):
         raise ValueError(
             f"min_heads must be an int >= 1 (a module cannot lose every head), got {min_heads!r}"
         )
-    if patience is not None and (isinstance(patience, bool) or not isinstance(patience, int) or patience < 1):
+    if patience is not None and not is_int(patience, 1):
         raise ValueError(
             f"patience must be None or an int >= 1 (single-head rejections in a row), got {patience!r}"
         )

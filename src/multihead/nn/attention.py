@@ -21,18 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..core.attention import AttentionOutput, attention, check_dropout
+from ..core.attention import AttentionOutput, attention
+from ..core.checks import check_dropout, positive_int
 from . import seam
 from .cache import KVCache
 from .rotary import RotaryEmbedding
 
 __all__ = ["MultiHeadAttention", "map_inputs", "merge_heads", "split_heads"]
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 def split_heads(x: Tensor, heads: int) -> Tensor:
@@ -117,9 +112,9 @@ class MultiHeadAttention(nn.Module):
     ) -> None:
         super().__init__()
         factory = {"device": device, "dtype": dtype}
-        self.embed_dim = _positive_int("embed_dim", embed_dim)
-        self.num_heads = _positive_int("num_heads", num_heads)
-        self.kv_heads = _positive_int("kv_heads", num_heads if kv_heads is None else kv_heads)
+        self.embed_dim = positive_int("embed_dim", embed_dim)
+        self.num_heads = positive_int("num_heads", num_heads)
+        self.kv_heads = positive_int("kv_heads", num_heads if kv_heads is None else kv_heads)
         if self.num_heads % self.kv_heads:
             raise ValueError(
                 f"num_heads ({num_heads}) must be divisible by kv_heads ({kv_heads}): each key/value head "
@@ -130,11 +125,11 @@ class MultiHeadAttention(nn.Module):
                 f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads}), or pass head_dim= "
                 f"explicitly (e.g. head_dim={max(1, embed_dim // num_heads)})"
             )
-        self.head_dim = _positive_int("head_dim", embed_dim // num_heads if head_dim is None else head_dim)
-        self.v_head_dim = _positive_int("v_head_dim", self.head_dim if v_head_dim is None else v_head_dim)
-        self.kdim = _positive_int("kdim", embed_dim if kdim is None else kdim)
-        self.vdim = _positive_int("vdim", embed_dim if vdim is None else vdim)
-        self.out_dim = _positive_int("out_dim", embed_dim if out_dim is None else out_dim)
+        self.head_dim = positive_int("head_dim", embed_dim // num_heads if head_dim is None else head_dim)
+        self.v_head_dim = positive_int("v_head_dim", self.head_dim if v_head_dim is None else v_head_dim)
+        self.kdim = positive_int("kdim", embed_dim if kdim is None else kdim)
+        self.vdim = positive_int("vdim", embed_dim if vdim is None else vdim)
+        self.out_dim = positive_int("out_dim", embed_dim if out_dim is None else out_dim)
         self.dropout = check_dropout(dropout)
         self.backend = "auto"
         self.rotary = RotaryEmbedding(self.head_dim) if rotary else None

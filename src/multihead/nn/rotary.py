@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..core.checks import is_int
+
 __all__ = ["RotaryEmbedding", "apply_rotary"]
 
 
@@ -43,7 +45,7 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, *, base: float = 10000.0) -> None:
         super().__init__()
-        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
+        if not is_int(head_dim, 1) or head_dim % 2:
             raise ValueError(
                 f"rotary embeddings need an even head_dim (features rotate in pairs), got {head_dim!r}; "
                 f"choose embed_dim and num_heads so that embed_dim // num_heads is even, or pass head_dim="
@@ -68,7 +70,7 @@ class RotaryEmbedding(nn.Module):
         """Rotate ``x`` (B, H, L, D) for positions ``offset + arange(L)``; returns (B, H, L, D)."""
         if x.dim() != 4 or x.shape[-1] != self.head_dim:
             raise ValueError(f"rotary expects (B, H, L, {self.head_dim}), got {tuple(x.shape)}")
-        if isinstance(offset, bool) or not isinstance(offset, int):
+        if not is_int(offset):
             raise ValueError(f"offset must be an int (the position of x[:, :, 0]), got {offset!r}")
         ang = self.angles(x.shape[2], offset, device=x.device)  # (L, D)
         return apply_rotary(x, ang.cos().to(x.dtype), ang.sin().to(x.dtype))

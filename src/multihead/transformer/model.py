@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..core import masks as _masks
-from ..core.attention import check_dropout
+from ..core.checks import check_dropout, is_int, positive_int
 from ..nn.attention import MultiHeadAttention
 from ..nn.cache import KVCache
 
@@ -44,12 +44,6 @@ __all__ = [
 ]
 
 _ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"relu": F.relu, "gelu": F.gelu}
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 def _check_activation(activation: str) -> str:
@@ -86,8 +80,8 @@ class PositionalEncoding(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        self.d_model = _positive_int("d_model", d_model)
-        self.max_len = _positive_int("max_len", max_len)
+        self.d_model = positive_int("d_model", d_model)
+        self.max_len = positive_int("max_len", max_len)
         self.dropout = nn.Dropout(check_dropout(dropout))
         pos = torch.arange(max_len, dtype=torch.float64, device=device)[:, None]  # (max_len, 1)
         freq = torch.exp(
@@ -105,7 +99,7 @@ class PositionalEncoding(nn.Module):
         """x (B, L, E) -> dropout(x + PE[offset : offset + L]), (B, L, E)."""
         if x.dim() != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must have shape (B, L, {self.d_model}), got {tuple(x.shape)}")
-        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        if not is_int(offset, 0):
             raise ValueError(f"offset must be a non-negative int, got {offset!r}")
         end = offset + x.shape[1]
         if end > self.max_len:
@@ -141,7 +135,7 @@ class FeedForward(nn.Module):
         factory = {"device": device, "dtype": dtype}
         self.activation = _check_activation(activation)
         self.linear1 = nn.Linear(
-            _positive_int("d_model", d_model), _positive_int("d_ff", d_ff), bias=bias, **factory
+            positive_int("d_model", d_model), positive_int("d_ff", d_ff), bias=bias, **factory
         )
         self.dropout = nn.Dropout(check_dropout(dropout))
         self.linear2 = nn.Linear(d_ff, d_model, bias=bias, **factory)
@@ -207,7 +201,7 @@ class _Layer(nn.Module):
     ) -> None:
         super().__init__()
         factory = {"device": device, "dtype": dtype}
-        self.d_model = _positive_int("d_model", d_model)
+        self.d_model = positive_int("d_model", d_model)
         self.norm_first = bool(norm_first)
         dropout = check_dropout(dropout)
         self.self_attn = MultiHeadAttention(
@@ -401,7 +395,7 @@ class _Stack(nn.Module):
         **kwargs: object,
     ) -> None:
         super().__init__()
-        _positive_int("num_layers", num_layers)
+        positive_int("num_layers", num_layers)
         if isinstance(layer, _Layer):
             if not isinstance(layer, self._layer_cls):
                 raise TypeError(
@@ -567,9 +561,9 @@ class Transformer(nn.Module):
     ) -> None:
         super().__init__()
         factory = {"device": device, "dtype": dtype}
-        self.d_model = _positive_int("d_model", d_model)
-        self.src_vocab = _positive_int("src_vocab", src_vocab)
-        self.tgt_vocab = _positive_int("tgt_vocab", tgt_vocab)
+        self.d_model = positive_int("d_model", d_model)
+        self.src_vocab = positive_int("src_vocab", src_vocab)
+        self.tgt_vocab = positive_int("tgt_vocab", tgt_vocab)
         if pad_id is not None and not (isinstance(pad_id, int) and 0 <= pad_id < tgt_vocab):
             raise ValueError(f"pad_id must be None or a token id in [0, {tgt_vocab}), got {pad_id!r}")
         self.pad_id = pad_id
@@ -731,8 +725,8 @@ class Transformer(nn.Module):
         finished beams stay in the beam (continuing with padding at no cost) until all K of a source
         are finished or ``max_len`` is reached; beam_size=1 therefore equals greedy decoding.
         """
-        _positive_int("max_len", max_len)
-        _positive_int("beam_size", beam_size)
+        positive_int("max_len", max_len)
+        positive_int("beam_size", beam_size)
         for name, tok in (("bos_id", bos_id), ("eos_id", eos_id)):
             if tok is not None and not (isinstance(tok, int) and 0 <= tok < self.tgt_vocab):
                 raise ValueError(f"{name} must be a token id in [0, {self.tgt_vocab}), got {tok!r}")

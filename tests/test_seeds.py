@@ -1,4 +1,4 @@
-"""The seeds' examples run; their three projection layouts agree; each erratum in docs/seeds.md is shown."""
+"""The seeds' examples run; their three projection weight formats agree; each erratum in docs/seeds.md is shown."""
 
 import runpy
 from pathlib import Path
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import multihead as mh
-from multihead.compat import layouts
+from multihead.compat import weights
 from multihead.nn import merge_heads
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "seeds"
@@ -62,14 +62,14 @@ def test_seed003_and_004_examples(capsys):
     torch.testing.assert_close(out3, out4)  # float valid_lens [3., 2.] == int [3, 2]; same seed, same layer
 
 
-# ---- the three projection layouts ------------------------------------------------------------------
+# ---- the three projection weight formats ------------------------------------------------------------------
 
 
 def _weights(seed=0):
     g = torch.Generator().manual_seed(seed)
     w = [torch.randn(H * D, E, generator=g) / E**0.5 for _ in range(3)] + [torch.randn(E, H * D, generator=g)]
     b = [torch.randn(H * D, generator=g) for _ in range(3)] + [torch.randn(E, generator=g)]
-    return layouts.SharedWeights(*w, *b)
+    return weights.SharedWeights(*w, *b)
 
 
 def shared_forward(w, q, kv):
@@ -100,34 +100,34 @@ def fused_forward(f, x):
     return F.linear(att.transpose(1, 2).reshape(x.shape[0], x.shape[1], H * D), f.w_o, f.b_o)
 
 
-def test_three_layouts_give_the_same_output_for_the_same_weights():
+def test_three_weight_formats_give_the_same_output_for_the_same_weights():
     w = _weights()
-    state = layouts.from_shared(w)
-    mha = layouts.module_from_state(state, H).eval()
-    per_head, fused = layouts.to_per_head(state, H), layouts.to_fused(state, H)
+    state = weights.from_shared(w)
+    mha = weights.module_from_state(state, H).eval()
+    per_head, fused = weights.to_per_head(state, H), weights.to_fused(state, H)
     x = torch.randn(B, L, E, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ours = mha(x)
         for other in (shared_forward(w, x, x), per_head_forward(per_head, x, x), fused_forward(fused, x)):
             torch.testing.assert_close(other, ours, atol=1e-5, rtol=1e-5)
     # the converters are inverses, and the fused layout is a real permutation of the library's rows
-    back = layouts.from_fused(fused, H)
+    back = weights.from_fused(fused, H)
     for k in state:
-        assert torch.equal(back[k], state[k]) and torch.equal(layouts.from_per_head(per_head)[k], state[k])
+        assert torch.equal(back[k], state[k]) and torch.equal(weights.from_per_head(per_head)[k], state[k])
     assert not torch.equal(fused.w_qkv, state["in_proj_weight"])
 
 
-def test_layouts_with_other_key_value_sizes_and_no_bias():
+def test_weight_formats_with_other_key_value_sizes_and_no_bias():
     g = torch.Generator().manual_seed(2)
-    w = layouts.SharedWeights(*(torch.randn(H * D, n, generator=g) for n in (E, 7, 9)), torch.randn(E, H * D))
-    mha = layouts.module_from_state(layouts.from_shared(w), H)
+    w = weights.SharedWeights(*(torch.randn(H * D, n, generator=g) for n in (E, 7, 9)), torch.randn(E, H * D))
+    mha = weights.module_from_state(weights.from_shared(w), H)
     assert (mha.kdim, mha.vdim, mha.in_proj_bias) == (7, 9, None)
     q, k, v = torch.randn(B, L, E), torch.randn(B, 6, 7), torch.randn(B, 6, 9)
     ref = mh.attention_reference(
         *(F.linear(x, wt).unflatten(-1, (H, D)).transpose(1, 2) for x, wt in zip((q, k, v), w[:3]))
     )
     torch.testing.assert_close(mha(q, k, v), F.linear(merge_heads(ref), w.w_o), atol=1e-5, rtol=1e-5)
-    assert all(torch.equal(a, b) for a, b in zip(layouts.to_shared(mha.state_dict())[:4], w[:4]))
+    assert all(torch.equal(a, b) for a, b in zip(weights.to_shared(mha.state_dict())[:4], w[:4]))
 
 
 # ---- errata (docs/seeds.md) ------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Seed 000 (Keras MHA from scratch), rebuilt on multihead: batch 64 x 5 x 512, 8 heads, rng seed 42.
 
 The notebook's layer holds one Dense per Q/K/V/O and splits each projection into heads by reshape: the
-"shared" layout, which maps one to one onto multihead.MultiHeadAttention (multihead.layouts.from_shared).
+"shared" layout, which maps one to one onto multihead.MultiHeadAttention (multihead.compat.weights.from_shared).
 Its bugs, fixed here: it read the global ``h`` instead of ``n_heads``; it projected Q/K/V to d_k = 64
 instead of d_model = 512 (so each of 8 heads got 8 features); ``scores += -inf * mask`` turns every
 unmasked score into NaN (-inf * 0). Here a mask is a bool tensor, True = may attend.
@@ -14,7 +14,7 @@ import argparse
 import numpy as np
 import torch
 
-from multihead.compat import layouts
+from multihead.compat import weights
 
 input_seq_length, h, d_model, batch_size, random_seed = 5, 8, 512, 64, 42
 
@@ -45,8 +45,8 @@ def main(argv=None):
         print(output.shape)
         return output
     (wq, bq), (wk, bk), (wv, bv), (wo, bo) = (dense(rng, d_model, d_model) for _ in range(4))
-    state = layouts.from_shared(layouts.SharedWeights(wq, wk, wv, wo, bq, bk, bv, bo))
-    multihead_attention = layouts.module_from_state(state, num_heads=h)  # heads = the argument, not a global
+    state = weights.from_shared(weights.SharedWeights(wq, wk, wv, wo, bq, bk, bv, bo))
+    multihead_attention = weights.module_from_state(state, num_heads=h)  # heads = the argument, not a global
     q, k, v = (torch.tensor(x, dtype=torch.float32) for x in (queries, keys, values))
     with torch.no_grad():
         output = multihead_attention(q, k, v)

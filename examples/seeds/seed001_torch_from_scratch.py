@@ -1,7 +1,7 @@
 """Seed 001 (PyTorch MHA from scratch), rebuilt on multihead: 8 heads, d_model 512, batch 2 x 5.
 
 The notebook keeps one ``nn.Linear(512, 64)`` per head for each of Q, K and V: the "per_head" layout,
-converted with multihead.layouts.from_per_head. Its bugs, fixed here: ``torch.cat([head_outputs], -1)``
+converted with multihead.compat.weights.from_per_head. Its bugs, fixed here: ``torch.cat([head_outputs], -1)``
 wraps the list in a list (a TypeError); ``Attention`` builds a LayerNorm it never uses and ignores its
 mask (``if self.mask: pass`` leaves the weights None); ``TransformerEncoderLayer`` is not an nn.Module
 (so its weights are invisible to optimizers and ``.to()``), calls ``MultiHeadAttention()`` without
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import multihead as mh
-from multihead.compat import layouts
+from multihead.compat import weights
 
 h, d_model, seq_len = 8, 512, 5
 
@@ -42,11 +42,11 @@ def main(argv=None):
             print(wq(inputs).size(), wv(inputs).size(), wk(inputs).size())
 
         wo = nn.Linear(d_model, d_model)
-        per_head = layouts.PerHeadWeights(
+        per_head = weights.PerHeadWeights(
             [m.weight for m in wqs], [m.weight for m in wks], [m.weight for m in wvs], wo.weight,
             [m.bias for m in wqs], [m.bias for m in wks], [m.bias for m in wvs], wo.bias,
         )  # fmt: skip
-        mha = layouts.module_from_state(layouts.from_per_head(per_head), num_heads=h)
+        mha = weights.module_from_state(weights.from_per_head(per_head), num_heads=h)
         q, kv = inputs, torch.rand((2, 7, d_model))
         print("MultiHeadAttention(q, kv):", mha(q, kv).size())
         print("with valid_lens [7, 3]:", mha(q, kv, valid_lens=torch.tensor([7, 3])).size())

@@ -1,7 +1,7 @@
 """Seed 002 (TF MHA with one fused QKV Dense), rebuilt on multihead: batch 30 x 4 x 512, 8 heads.
 
 The notebook projects x with one Dense(3 * 512), reshapes to (B, L, H, 3 * 64) and splits the last
-axis into q, k, v: per-head interleaving, the "fused" layout (multihead.layouts.from_fused). Its bug,
+axis into q, k, v: per-head interleaving, the "fused" layout (multihead.compat.weights.from_fused). Its bug,
 fixed here: it reshapes the heads' output (B, H, L, 64) straight to (B, L, H * 64) without first
 transposing H and L, which mixes different positions' values into one row.
 
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import multihead as mh
-from multihead.compat import layouts
+from multihead.compat import weights
 from multihead.nn import merge_heads
 
 input_dim, d_model, num_heads, batch_size, sequence_length = 512, 512, 8, 30, 4
@@ -23,8 +23,8 @@ def main(argv=None):
     head_dim = d_model // num_heads
     w_qkv, b_qkv = torch.randn(3 * d_model, input_dim) / input_dim**0.5, torch.zeros(3 * d_model)
     w_o, b_o = torch.randn(d_model, d_model) / d_model**0.5, torch.zeros(d_model)
-    mha = layouts.module_from_state(
-        layouts.from_fused(layouts.FusedWeights(w_qkv, w_o, b_qkv, b_o), num_heads), num_heads
+    mha = weights.module_from_state(
+        weights.from_fused(weights.FusedWeights(w_qkv, w_o, b_qkv, b_o), num_heads), num_heads
     )
     x = torch.randn(batch_size, sequence_length, input_dim)
     with torch.no_grad():

@@ -24,7 +24,7 @@ from ..core.attention import attention
 from ..nn import seam
 from ..nn.attention import MultiHeadAttention as _CoreMHA
 from ..nn.attention import merge_heads, split_heads
-from .layouts import SharedWeights, from_shared, module_from_state
+from .weights import SharedWeights, from_shared, module_from_state
 
 __all__ = ["DotProductAttention", "MultiHeadAttention"]
 

@@ -1,4 +1,4 @@
-"""Weight converters between the seeds' three projection layouts and the library's.
+"""Weight converters between the seeds' three projection weight formats and the library's.
 
 Dimensions: E embed_dim (d_model), H heads, D head dim, Ek/Ev key/value input sizes, O output size.
 All weights use torch's ``nn.Linear`` convention, (out_features, in_features); a Keras ``Dense`` kernel
@@ -8,7 +8,7 @@ The library's layout (= ``torch.nn.MultiheadAttention``, see :mod:`multihead.att
 ``in_proj_weight`` (3*H*D, E) with row blocks [q | k | v] (or ``q/k/v_proj_weight`` when the key/value
 sizes differ), head ``i`` owning rows [i*D, (i+1)*D) of each block; ``out_proj.weight`` (O, H*D).
 
-The seeds' layouts:
+The seeds' formats:
 
 * **shared** (seed 000, d2l 003/004): one Linear per q/k/v, (H*D, E), whose output is reshaped to
   (..., H, D). Head ``i`` owns rows [i*D, (i+1)*D): exactly the library's row blocks.

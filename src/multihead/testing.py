@@ -17,9 +17,20 @@ from torch import Tensor
 
 from .core.attention import AttentionOutput, attention_reference, output_and_weights
 
-__all__ = ["ErrorReport", "compare_to_reference"]
+__all__ = ["ErrorReport", "allowed_error", "compare_to_reference"]
 
 _FLOOR = {torch.float64: 1e-12, torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+
+
+def allowed_error(
+    reference_error: float, dtype: torch.dtype, *, factor: float = 2.0, floor: float | None = None
+) -> float:
+    """The rule, the one implementation: the largest error a fast path may have in ``dtype``.
+
+    ``factor`` times the reference's own error (both against a float64 oracle) plus an absolute ``floor``
+    (default: a per-dtype constant for the cases where the reference happens to be exact).
+    """
+    return factor * reference_error + (_FLOOR.get(dtype, 1e-6) if floor is None else floor)
 
 
 @dataclass
@@ -35,7 +46,7 @@ class ErrorReport:
 
     def allowed(self, reference_error: float) -> float:
         """The largest fast-path error accepted when the reference's own error is ``reference_error``."""
-        return self.factor * reference_error + self.floor
+        return allowed_error(reference_error, torch.float64, factor=self.factor, floor=self.floor)
 
     @property
     def ok(self) -> bool:

@@ -21,6 +21,7 @@ function, and :func:`check_positions` says so.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -37,6 +38,11 @@ AttentionFn = Callable[..., Tensor | AttentionOutput]
 :func:`multihead.attention`: q (B, H, Lq, Dk), k (B, Hkv, Lk, Dk), v (B, Hkv, Lk, Dv) -> (B, H, Lq, Dv)."""
 
 _ACTIVE: ContextVar[Inspector | None] = ContextVar("multihead_inspector", default=None)
+# How many inspecting() blocks are open in any thread or task. While it is 0 (the normal case) attend() never
+# reads the context variable, so torch.compile traces modules without a graph break: it guards on this
+# counter and recompiles (or, with fullgraph=True, reports the break) only if inspection becomes active.
+_OPEN_BLOCKS = 0
+_OPEN_LOCK = threading.Lock()
 
 
 class Inspector:
@@ -51,16 +57,21 @@ class Inspector:
 
 def current() -> Inspector | None:
     """The active inspector, or None (the normal case: no overhead beyond this lookup)."""
-    return _ACTIVE.get()
+    return _ACTIVE.get() if _OPEN_BLOCKS else None
 
 
 @contextmanager
 def inspecting(inspector: Inspector) -> Iterator[Inspector]:
     """Make ``inspector`` active for the block (nested blocks stack and unwind)."""
+    global _OPEN_BLOCKS
     token = _ACTIVE.set(inspector)
+    with _OPEN_LOCK:
+        _OPEN_BLOCKS += 1
     try:
         yield inspector
     finally:
+        with _OPEN_LOCK:
+            _OPEN_BLOCKS -= 1
         _ACTIVE.reset(token)
 
 
@@ -108,7 +119,7 @@ def attend(
     inspector (if any) saw them, and the weights only when ``return_weights``. The inspector may ask for
     weights (``wants_weights``); the module's caller still gets them only if it asked.
     """
-    inspector = _ACTIVE.get()
+    inspector = _ACTIVE.get() if _OPEN_BLOCKS else None
     want = return_weights or (inspector is not None and inspector.wants_weights)
     res = module.attention_fn(
         q,

@@ -12,6 +12,7 @@ Every module under ``src/multihead`` is parsed with ``ast`` (nothing is imported
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +36,7 @@ class Edge(NamedTuple):
         return f"{self.importer} -> {self.imported}  ({path}:{self.line})"
 
 
+@functools.cache
 def module_files() -> dict[str, Path]:
     """``{"multihead.core.attention": path}`` for every module of the package (packages by __init__.py)."""
     files = {}
@@ -52,6 +54,7 @@ def _base(importer: str, level: int) -> str:
     return package
 
 
+@functools.cache
 def imports_of(importer: str) -> list[Edge]:
     """Every import of a ``multihead`` module by ``importer``, wherever the statement is in the file."""
     modules = module_files()
@@ -75,6 +78,7 @@ def imports_of(importer: str) -> list[Edge]:
     return edges
 
 
+@functools.cache
 def import_graph() -> list[Edge]:
     return [edge for module in module_files() for edge in imports_of(module)]
 
@@ -172,16 +176,16 @@ def test_the_parser_reads_every_kind_of_import():
     assert ("multihead.nn.attention", "multihead.nn.seam") in edges  # from . import seam
     assert ("multihead.nn.seam", "multihead.core.attention") in edges  # from ..core.attention import ...
     assert ("multihead", "multihead.core") in edges  # from .core import ...
-    function_level = [
-        e
-        for m, path in module_files().items()
-        for node in ast.walk(ast.parse(path.read_text()))
-        if isinstance(node, ast.FunctionDef)
-        for inner in ast.walk(node)
-        if isinstance(inner, (ast.Import, ast.ImportFrom))
-        for e in imports_of(m)
-        if e.line == inner.lineno
-    ]
+    function_level = []
+    for module, path in module_files().items():
+        lines = {
+            inner.lineno
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for inner in ast.walk(node)
+            if isinstance(inner, (ast.Import, ast.ImportFrom))
+        }
+        function_level += [e for e in imports_of(module) if e.line in lines]
     assert function_level, "no function-level import of a multihead module found: is the walk too shallow?"
     assert len(module_files()) >= 40
 
@@ -225,11 +229,18 @@ def test_core_imports_no_optional_library(layer, forbidden):
     assert not bad, "the core depends on torch only; offending imports:\n  " + "\n  ".join(bad)
 
 
-HEAVY = ("matplotlib", "keras", "tensorflow", "jax", "transformers", "onnx", "onnxruntime")
+HEAVY = ("matplotlib", "keras", "tensorflow", "jax", "transformers", "onnx", "onnxruntime", "onnxscript")
+LIGHT_IMPORTS = {
+    "package": "multihead",
+    # each extra is imported where it is used (a plot, a Keras layer, an export), not on import
+    "torch-only parts": "multihead.heads, multihead.viz, multihead.distributed, multihead.compat.torch, "
+    "multihead.compat.d2l, multihead.testing, multihead.export, multihead.cli",
+}
 
 
-def test_import_multihead_imports_no_optional_library():
+@pytest.mark.parametrize("modules", list(LIGHT_IMPORTS.values()), ids=list(LIGHT_IMPORTS))
+def test_import_loads_no_optional_library(modules):
     """``import multihead`` in a fresh interpreter loads torch, not the extras (checked in sys.modules)."""
-    code = f"import sys, multihead; print(sorted(m for m in {HEAVY!r} if m in sys.modules))"
+    code = f"import sys, {modules}; print(sorted(m for m in {HEAVY!r} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]", f"import multihead imported {out.stdout.strip()}"
+    assert out.stdout.strip() == "[]", f"import {modules} imported {out.stdout.strip()}"

@@ -261,3 +261,52 @@ def test_low_precision_bfloat16():
             valid_lens=torch.tensor([3, 11]),
         )
         assert rep.ok, (backend, rep)
+
+
+# ----------------------------------------------------------------------------------------------
+# The checker itself can fail: negative controls for compare_to_reference and the 2x rule
+# ----------------------------------------------------------------------------------------------
+
+
+def _wrong_scale(q, k, v, **kw):
+    """Attention with a 5% wrong score scale: 1.05 / sqrt(Dk)."""
+    return mh.attention(q, k, v, **kw, scale=1.05 / q.shape[-1] ** 0.5)
+
+
+def _causal_shifted(offset):
+    """Attention that gets ``causal=True`` wrong by ``offset`` keys (+1: sees one key ahead, -1: not itself)."""
+
+    def fn(q, k, v, *, causal, **kw):
+        assert causal
+        shifted = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril(offset)  # (Lq, Lk)
+        return mh.attention(q, k, v, mask=shifted, **kw)
+
+    return fn
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "wrong", [_wrong_scale, _causal_shifted(1), _causal_shifted(-1)], ids=["scale", "causal+1", "causal-1"]
+)
+@pytest.mark.parametrize("return_weights", [False, True])
+def test_compare_to_reference_fails_a_wrong_attention(dtype, wrong, return_weights):
+    q, k, v = make_qkv(2, 4, 2, 9, 9, 16, 16, dtype)
+    right = compare_to_reference(mh.attention, q, k, v, causal=True, return_weights=return_weights)
+    assert right.ok, right  # the same inputs pass with the right function
+    rep = compare_to_reference(wrong, q, k, v, causal=True, return_weights=return_weights)
+    assert not rep.ok, rep
+    assert rep.fast > rep.allowed(rep.reference)
+    if return_weights:
+        assert rep.fast_weights > rep.allowed(rep.reference_weights)
+
+
+def test_compare_to_reference_checks_the_weights_too():
+    """Right output, wrong weights (a 5% wrong scale): the report fails on the weights alone."""
+    q, k, v = make_qkv(2, 4, 2, 9, 9, 16, 16)
+
+    def wrong_weights(q, k, v, **kw):
+        return mh.AttentionOutput(mh.attention(q, k, v, **kw).output, _wrong_scale(q, k, v, **kw).weights)
+
+    rep = compare_to_reference(wrong_weights, q, k, v, return_weights=True)
+    assert rep.fast <= rep.allowed(rep.reference) and not rep.ok, rep
+

@@ -309,4 +309,3 @@ def test_compare_to_reference_checks_the_weights_too():
 
     rep = compare_to_reference(wrong_weights, q, k, v, return_weights=True)
     assert rep.fast <= rep.allowed(rep.reference) and not rep.ok, rep
-

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from functools import partial
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from multihead.bench import harness as bench
 from multihead.core import backends
 from multihead.core.attention import explain_backends, output_and_weights, prepare
 from multihead.core.backends.flex import FlexBackend
-from multihead.testing import allowed_error
+from multihead.testing import allowed_error, compare_to_reference
 
 
 def _qkv(b, h, hkv, lq, lk, d, dtype, seed=0):
@@ -50,14 +51,26 @@ def _check(fast, ref64, ref32=None):
     assert err <= allowed_error(own, fast.dtype), f"fast path error {err:.3g} > 2x reference error {own:.3g}"
 
 
-def _run_backend(name, q, k, v, kw, weights=False):
-    if name == "flex-eager":  # FlexAttention's eager path: exercises the mask/bias plumbing on CPU
-        call = prepare(q, k, v, return_weights=weights, **kw)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return FlexBackend(compiled=False)(call)[0]
-    res = mh.attention(q, k, v, backend=name, return_weights=weights, **kw)
-    return res
+def _check_against_reference(fn, q, k, v, dtypes=(torch.float64, torch.float32), **kw):
+    """``fn(q, k, v, **kw)`` vs attention_reference (:func:`multihead.testing.compare_to_reference`): in
+    float64 within 1e-10, in float32 the 2x rule; outputs, and weights when ``return_weights``."""
+    for dtype in dtypes:
+        rep = compare_to_reference(fn, *(t.to(dtype) for t in (q, k, v)), **_as(kw, dtype))
+        if dtype == torch.float64:
+            assert rep.fast <= 1e-10 and (rep.fast_weights or 0.0) <= 1e-10, rep
+        assert rep.ok, rep
+
+
+_FLEX_EAGER = FlexBackend(compiled=False)
+
+
+def _flex_eager(q, k, v, **kw):
+    """The flex backend with FlexAttention's eager path: its mask/bias plumbing, run on CPU."""
+    call = prepare(q, k, v, **kw)
+    assert _FLEX_EAGER.why_not(call) == [], "a case flex refuses is not a flex case"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _FLEX_EAGER(call)[0]
 
 
 MASK_KINDS = ["none", "causal", "mask", "bias", "valid_lens", "window+causal"]
@@ -73,13 +86,15 @@ def _flex_serves(kind, shape):
     return kind not in ("none", "causal") or (kind == "causal" and lq != lk)
 
 
+# sdpa and math over every other mask kind are test_functional.py's grid; here: flex (in float32, a
+# dtype it serves), and the one mask kind that grid lacks, for sdpa and math
 BACKEND_CASES = [
     pytest.param(backend, heads, kind, shape, id=f"{backend}-{shape_id}-{heads}-{kind}")
     for backend in ("sdpa", "math", "flex-eager")
     for shape_id, shape in SHAPES.items()
     for heads in HEADS
     for kind in MASK_KINDS
-    if backend != "flex-eager" or _flex_serves(kind, shape)
+    if (_flex_serves(kind, shape) if backend == "flex-eager" else kind == "window+causal")
 ]
 
 
@@ -87,14 +102,10 @@ BACKEND_CASES = [
 def test_backend_matches_reference(backend, heads, kind, shape):
     b, lq, lk, d = shape
     h, hkv = HEADS[heads]
-    kw = _masks(kind, b, h, lq, lk)
     q, k, v = _qkv(b, h, hkv, lq, lk, d, torch.float64)
-    ref64 = mh.attention_reference(q, k, v, **kw)
-    _check(_run_backend(backend, q, k, v, kw), ref64)
-    q32, k32, v32 = (t.float() for t in (q, k, v))
-    kw32 = _as(kw, torch.float32)
-    ref32 = mh.attention_reference(q32, k32, v32, **kw32)
-    _check(_run_backend(backend, q32, k32, v32, kw32), ref64, ref32)
+    fn = _flex_eager if backend == "flex-eager" else partial(mh.attention, backend=backend)
+    dtypes = (torch.float32,) if backend == "flex-eager" else (torch.float64, torch.float32)
+    _check_against_reference(fn, q, k, v, dtypes=dtypes, **_masks(kind, b, h, lq, lk))
 
 
 @pytest.mark.parametrize("kind", MASK_KINDS)
@@ -103,7 +114,7 @@ def test_flex_refuses_exactly_the_calls_it_is_not_generated_for(kind, shape):
     """The flex cases left out of the grid above are the calls flex refuses, with the reason."""
     b, lq, lk, d = SHAPES[shape]
     call = prepare(*_qkv(b, 4, 2, lq, lk, d, torch.float32), **_masks(kind, b, 4, lq, lk))
-    reasons = FlexBackend(compiled=False).why_not(call)
+    reasons = _FLEX_EAGER.why_not(call)
     assert (reasons == []) == _flex_serves(kind, SHAPES[shape]), reasons
     if reasons:
         assert any("no mask or bias" in r for r in reasons), reasons
@@ -114,16 +125,7 @@ def test_flex_refuses_exactly_the_calls_it_is_not_generated_for(kind, shape):
 def test_weights_path_one_pass_matches_reference(heads, kind):
     h, hkv = heads
     q, k, v = _qkv(2, h, hkv, 7, 7, 12, torch.float64)
-    kw = _masks(kind, 2, h, 7, 7)
-    out, w = mh.attention(q, k, v, return_weights=True, **kw)
-    ref_out, ref_w = mh.attention_reference(q, k, v, return_weights=True, **kw)
-    _check(out, ref_out)
-    _check(w, ref_w)
-    q32, k32, v32 = (t.float() for t in (q, k, v))
-    out32, w32 = mh.attention(q32, k32, v32, return_weights=True, **_as(kw, torch.float32))
-    r32 = mh.attention_reference(q32, k32, v32, return_weights=True, **_as(kw, torch.float32))
-    _check(out32, ref_out, r32.output)
-    _check(w32, ref_w, r32.weights)
+    _check_against_reference(mh.attention, q, k, v, return_weights=True, **_masks(kind, 2, h, 7, 7))
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "math"])
@@ -289,18 +291,7 @@ def test_blocked_inference_path_matches_reference(monkeypatch, heads, kind, bloc
     call = prepare(q, k, v, return_weights=True, **kw)
     assert math_backend._blocked(call, q, k, v)  # the path under test is taken
     with torch.no_grad():
-        out, w = mh.attention(q, k, v, backend="math", return_weights=True, **kw)
-    ref_out, ref_w = mh.attention_reference(q, k, v, return_weights=True, **kw)
-    _check(out, ref_out)
-    _check(w, ref_w)
-    q32, k32, v32 = (t.float() for t in (q, k, v))
-    with torch.no_grad():
-        out32, w32 = mh.attention(
-            q32, k32, v32, backend="math", return_weights=True, **_as(kw, torch.float32)
-        )
-    r32 = mh.attention_reference(q32, k32, v32, return_weights=True, **_as(kw, torch.float32))
-    _check(out32, ref_out, r32.output)
-    _check(w32, ref_w, r32.weights)
+        _check_against_reference(partial(mh.attention, backend="math"), q, k, v, return_weights=True, **kw)
 
 
 def test_blocked_path_is_not_taken_when_autograd_records(monkeypatch):

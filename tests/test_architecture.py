@@ -151,7 +151,7 @@ def _in(module: str, areas: tuple[str, ...]) -> bool:
 
 # Layering: (the modules the rule is about, what they must not import, why)
 _ABOVE_CORE = ("nn", "transformer", "heads", "viz", "distributed", "compat", "integrations")
-_TOOLS = ("bench", "demo", "cli", "export")
+_TOOLS = ("bench", "demo", "cli", "export", "testing")
 LAYER_RULES = [
     (
         f"{PACKAGE}.core",
@@ -166,6 +166,21 @@ LAYER_RULES = [
         "the modules know only the core; ring attention and inspection plug in through nn.seam",
     ),
 ]
+# The data flow of docs/architecture.md: a module may import only from its own rank or below.
+RANKS = {
+    "core": 0,
+    "nn": 1,
+    **dict.fromkeys(("transformer", "heads", "viz", "distributed"), 2),
+    **dict.fromkeys(("", "compat", "integrations"), 3),  # "": the package's __init__, the public names
+    **dict.fromkeys(("export", "cli", "bench", "demo", "testing", "__main__"), 4),
+}
+
+
+def area(module: str) -> str:
+    """``multihead.core.backends.math`` -> ``core``; the package itself -> ``""``."""
+    return module.split(".")[1] if "." in module else ""
+
+
 # Third-party packages a layer must not import (optional extras and heavy libraries)
 FOREIGN_RULES = [(f"{PACKAGE}.core", ("keras", "matplotlib", "tensorflow", "jax", "transformers", "onnx"))]
 
@@ -207,10 +222,44 @@ def test_no_import_cycle():
     )
 
 
+def against_rule(edges, layer: str, forbidden: tuple[str, ...]) -> list[Edge]:
+    """The edges from ``layer`` into any of the ``forbidden`` areas."""
+    return [e for e in edges if _in(e.importer, (layer,)) and _in(e.imported, forbidden)]
+
+
+def upward(edges) -> list[Edge]:
+    """The edges from a lower rank to a higher one."""
+    return [e for e in edges if RANKS[area(e.importer)] < RANKS[area(e.imported)]]
+
+
+def test_the_rules_catch_a_planted_import():
+    """The layering checks can fail: a core -> viz and an nn -> distributed import are caught."""
+    planted = [
+        Edge("multihead.core.masks", "multihead.viz.plots", 1),
+        Edge("multihead.nn.seam", "multihead.distributed.ring", 2),
+    ]
+    (core_rule, nn_rule) = LAYER_RULES
+    assert against_rule(planted, *core_rule[:2]) == planted[:1]
+    assert against_rule(planted, *nn_rule[:2]) == planted[1:]
+    assert upward(planted) == planted
+    assert upward([Edge("multihead.viz.capture", "multihead.heads.naming", 3)]) == []  # same rank
+
+
 @pytest.mark.parametrize(("layer", "forbidden", "why"), LAYER_RULES, ids=[r[0] for r in LAYER_RULES])
 def test_layering(layer, forbidden, why):
-    bad = [e for e in import_graph() if _in(e.importer, (layer,)) and _in(e.imported, forbidden)]
+    bad = against_rule(import_graph(), layer, forbidden)
     assert not bad, f"{why}; offending imports:\n  " + "\n  ".join(map(str, bad))
+
+
+def test_data_flows_one_way():
+    unknown = sorted({area(m) for m in module_files()} - set(RANKS))
+    assert not unknown, (
+        f"new top-level modules {unknown}: give them a rank in RANKS here and in docs/architecture.md"
+    )
+    up = upward(import_graph())
+    assert not up, "imports against the data flow (a lower layer importing a higher one):\n  " + "\n  ".join(
+        f"{e}   [rank {RANKS[area(e.importer)]} -> {RANKS[area(e.imported)]}]" for e in up
+    )
 
 
 @pytest.mark.parametrize(("layer", "forbidden"), FOREIGN_RULES, ids=[r[0] for r in FOREIGN_RULES])

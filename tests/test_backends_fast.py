@@ -2,7 +2,7 @@
 
 Dimensions: B batch, H heads, Hkv kv heads, Lq/Lk lengths, D head dim, E embed dim.
 Rule (flash-attention's): in float64 a fast path matches the reference tightly; in float32 its error
-against a float64 reference is at most 2x the float32 reference's own error.
+against a float64 reference is at most 2x the float32 reference's own error (``multihead.testing.allowed_error``).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from functools import partial
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from multihead.bench import harness as bench
 from multihead.core import backends
 from multihead.core.attention import explain_backends, output_and_weights, prepare
 from multihead.core.backends.flex import FlexBackend
+from multihead.testing import allowed_error, compare_to_reference
 
 
 def _qkv(b, h, hkv, lq, lk, d, dtype, seed=0):
@@ -40,49 +42,82 @@ def _as(kwargs, dtype):
 
 
 def _check(fast, ref64, ref32=None):
-    """float64: tight; float32: error vs float64 at most 2x the reference's own (plus an ulp floor)."""
+    """float64: tight; in a working dtype, the one 2x rule: :func:`multihead.testing.allowed_error`."""
     if ref32 is None:
         torch.testing.assert_close(fast, ref64, rtol=1e-10, atol=1e-10)
         return
     own = (ref32.double() - ref64).abs().max().item()
     err = (fast.double() - ref64).abs().max().item()
-    assert err <= 2 * own + 2e-6, f"fast path error {err:.3g} > 2x reference error {own:.3g}"
+    assert err <= allowed_error(own, fast.dtype), f"fast path error {err:.3g} > 2x reference error {own:.3g}"
 
 
-def _run_backend(name, q, k, v, kw, weights=False):
-    if name == "flex-eager":  # FlexAttention's eager path: exercises the mask/bias plumbing on CPU
-        call = prepare(q, k, v, return_weights=weights, **kw)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return FlexBackend(compiled=False)(call)[0]
-    res = mh.attention(q, k, v, backend=name, return_weights=weights, **kw)
-    return res
+def _check_against_reference(fn, q, k, v, dtypes=(torch.float64, torch.float32), **kw):
+    """``fn(q, k, v, **kw)`` vs attention_reference (:func:`multihead.testing.compare_to_reference`): in
+    float64 within 1e-10, in float32 the 2x rule; outputs, and weights when ``return_weights``."""
+    for dtype in dtypes:
+        rep = compare_to_reference(fn, *(t.to(dtype) for t in (q, k, v)), **_as(kw, dtype))
+        if dtype == torch.float64:
+            assert rep.fast <= 1e-10 and (rep.fast_weights or 0.0) <= 1e-10, rep
+        assert rep.ok, rep
+
+
+_FLEX_EAGER = FlexBackend(compiled=False)
+
+
+def _flex_eager(q, k, v, **kw):
+    """The flex backend with FlexAttention's eager path: its mask/bias plumbing, run on CPU."""
+    call = prepare(q, k, v, **kw)
+    assert _FLEX_EAGER.why_not(call) == [], "a case flex refuses is not a flex case"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _FLEX_EAGER(call)[0]
 
 
 MASK_KINDS = ["none", "causal", "mask", "bias", "valid_lens", "window+causal"]
+HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
+SHAPES = {"L1": (2, 1, 1, 8), "L9-D59": (2, 9, 9, 59), "Lq5-Lk17": (1, 5, 17, 16)}  # (B, Lq, Lk, D)
+
+
+def _flex_serves(kind, shape):
+    """Whether the flex backend serves a call: only with a mask or bias to skip blocks by. Plain and
+    causal calls with Lq == Lk have neither (sdpa's native kernels serve them); causal with Lq != Lk is
+    a bottom-right mask, which flex does serve."""
+    _, lq, lk, _ = shape
+    return kind not in ("none", "causal") or (kind == "causal" and lq != lk)
+
+
+# sdpa and math over every other mask kind are test_functional.py's grid; here: flex (in float32, a
+# dtype it serves), and the one mask kind that grid lacks, for sdpa and math
+BACKEND_CASES = [
+    pytest.param(backend, heads, kind, shape, id=f"{backend}-{shape_id}-{heads}-{kind}")
+    for backend in ("sdpa", "math", "flex-eager")
+    for shape_id, shape in SHAPES.items()
+    for heads in HEADS
+    for kind in MASK_KINDS
+    if (_flex_serves(kind, shape) if backend == "flex-eager" else kind == "window+causal")
+]
+
+
+@pytest.mark.parametrize(("backend", "heads", "kind", "shape"), BACKEND_CASES)
+def test_backend_matches_reference(backend, heads, kind, shape):
+    b, lq, lk, d = shape
+    h, hkv = HEADS[heads]
+    q, k, v = _qkv(b, h, hkv, lq, lk, d, torch.float64)
+    fn = _flex_eager if backend == "flex-eager" else partial(mh.attention, backend=backend)
+    dtypes = (torch.float32,) if backend == "flex-eager" else (torch.float64, torch.float32)
+    _check_against_reference(fn, q, k, v, dtypes=dtypes, **_masks(kind, b, h, lq, lk))
 
 
 @pytest.mark.parametrize("kind", MASK_KINDS)
-@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
-@pytest.mark.parametrize("backend", ["sdpa", "math", "flex-eager"])
-@pytest.mark.parametrize(
-    "shape", [(2, 1, 1, 8), (2, 9, 9, 59), (1, 5, 17, 16)], ids=["L1", "L9-D59", "Lq5-Lk17"]
-)
-def test_backend_matches_reference(backend, heads, kind, shape):
-    b, lq, lk, d = shape
-    h, hkv = heads
-    if backend == "flex-eager" and kind in ("none", "causal"):
-        reasons = FlexBackend(compiled=False).why_not(prepare(*_qkv(b, h, hkv, lq, lk, d, torch.float32)))
-        assert any("no mask or bias" in r for r in reasons)
-        return
-    kw = _masks(kind, b, h, lq, lk)
-    q, k, v = _qkv(b, h, hkv, lq, lk, d, torch.float64)
-    ref64 = mh.attention_reference(q, k, v, **kw)
-    _check(_run_backend(backend, q, k, v, kw), ref64)
-    q32, k32, v32 = (t.float() for t in (q, k, v))
-    kw32 = _as(kw, torch.float32)
-    ref32 = mh.attention_reference(q32, k32, v32, **kw32)
-    _check(_run_backend(backend, q32, k32, v32, kw32), ref64, ref32)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_flex_refuses_exactly_the_calls_it_is_not_generated_for(kind, shape):
+    """The flex cases left out of the grid above are the calls flex refuses, with the reason."""
+    b, lq, lk, d = SHAPES[shape]
+    call = prepare(*_qkv(b, 4, 2, lq, lk, d, torch.float32), **_masks(kind, b, 4, lq, lk))
+    reasons = _FLEX_EAGER.why_not(call)
+    assert (reasons == []) == _flex_serves(kind, SHAPES[shape]), reasons
+    if reasons:
+        assert any("no mask or bias" in r for r in reasons), reasons
 
 
 @pytest.mark.parametrize("kind", ["none", "causal", "bias", "valid_lens"])
@@ -90,16 +125,7 @@ def test_backend_matches_reference(backend, heads, kind, shape):
 def test_weights_path_one_pass_matches_reference(heads, kind):
     h, hkv = heads
     q, k, v = _qkv(2, h, hkv, 7, 7, 12, torch.float64)
-    kw = _masks(kind, 2, h, 7, 7)
-    out, w = mh.attention(q, k, v, return_weights=True, **kw)
-    ref_out, ref_w = mh.attention_reference(q, k, v, return_weights=True, **kw)
-    _check(out, ref_out)
-    _check(w, ref_w)
-    q32, k32, v32 = (t.float() for t in (q, k, v))
-    out32, w32 = mh.attention(q32, k32, v32, return_weights=True, **_as(kw, torch.float32))
-    r32 = mh.attention_reference(q32, k32, v32, return_weights=True, **_as(kw, torch.float32))
-    _check(out32, ref_out, r32.output)
-    _check(w32, ref_w, r32.weights)
+    _check_against_reference(mh.attention, q, k, v, return_weights=True, **_masks(kind, 2, h, 7, 7))
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "math"])
@@ -265,18 +291,7 @@ def test_blocked_inference_path_matches_reference(monkeypatch, heads, kind, bloc
     call = prepare(q, k, v, return_weights=True, **kw)
     assert math_backend._blocked(call, q, k, v)  # the path under test is taken
     with torch.no_grad():
-        out, w = mh.attention(q, k, v, backend="math", return_weights=True, **kw)
-    ref_out, ref_w = mh.attention_reference(q, k, v, return_weights=True, **kw)
-    _check(out, ref_out)
-    _check(w, ref_w)
-    q32, k32, v32 = (t.float() for t in (q, k, v))
-    with torch.no_grad():
-        out32, w32 = mh.attention(
-            q32, k32, v32, backend="math", return_weights=True, **_as(kw, torch.float32)
-        )
-    r32 = mh.attention_reference(q32, k32, v32, return_weights=True, **_as(kw, torch.float32))
-    _check(out32, ref_out, r32.output)
-    _check(w32, ref_w, r32.weights)
+        _check_against_reference(partial(mh.attention, backend="math"), q, k, v, return_weights=True, **kw)
 
 
 def test_blocked_path_is_not_taken_when_autograd_records(monkeypatch):

@@ -1,58 +1,83 @@
-"""The guides run: every ```python block of each page executes, in order, in one namespace per page.
+"""The pages run: every ```python block of README.md and of each docs/*.md page executes, in page order,
+in one namespace per page.
 
-Blocks that must not run use another fence (```text, ```bash, ```java). A block that raises fails the
-test with the page's line number of the block; the blocks' own asserts are the checks.
+Pages are found by globbing, so a new page is covered the day it is added. Blocks that must not run use
+another fence (```text for pictures and output, ```bash for shell, ```java). A block that raises fails
+the test with the page's line number of the block; the blocks' own asserts are the checks.
 """
 
+import ast
 import importlib.util
 import re
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
-FENCE = re.compile(r"^```(\w*)\n(.*?)^```[ \t]*$", flags=re.S | re.M)
-KNOWN_FENCES = {"python", "text", "bash", "java"}
-pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
-
-# page -> (optional extras it needs, the fewest python blocks it must have)
+ROOT = Path(__file__).resolve().parents[1]
 PAGES = {
-    "transformer.md": ((), 12),
-    "compat.md": (("keras", "onnxruntime", "onnxscript"), 7),
-    "heads.md": (("matplotlib",), 7),
+    p.relative_to(ROOT).as_posix(): p for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 }
+FENCE = re.compile(r"^[ \t]*```(\w*)\n(.*?)^[ \t]*```[ \t]*$", flags=re.S | re.M)
+KNOWN_FENCES = {"python", "text", "bash", "java"}
+# What a page needs that its blocks do not import by name (torch.onnx.export uses onnxscript).
+HIDDEN_NEEDS = {"docs/compat.md": ("onnxscript",)}
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 def python_blocks(text):
     """[(line of the block's first code line, code)] for every ```python fence, in page order."""
     return [
-        (text.count("\n", 0, m.start(2)) + 1, m.group(2))
+        (text.count("\n", 0, m.start(2)) + 1, textwrap.dedent(m.group(2)))
         for m in FENCE.finditer(text)
         if m.group(1) == "python"
     ]
 
 
+def imported_packages(blocks):
+    """Top-level package names the blocks import (``import a.b`` and ``from a.b import c`` -> ``a``)."""
+    names = set()
+    for _, code in blocks:
+        for node in ast.walk(ast.parse(code)):
+            if isinstance(node, ast.Import):
+                names |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+    return names
+
+
+def test_every_page_is_found():
+    assert "README.md" in PAGES and "docs/guide.md" in PAGES and "docs/architecture.md" in PAGES
+    assert len(PAGES) >= 10, sorted(PAGES)
+
+
 @pytest.mark.parametrize("page", sorted(PAGES))
 def test_fences_are_closed_and_labelled(page):
-    text = (DOCS / page).read_text()
+    text = PAGES[page].read_text()
     fences = FENCE.findall(text)
-    assert text.count("\n```") == 2 * len(fences), f"{page}: an unclosed or nested ``` fence"
-    unknown = {lang for lang, _ in fences} - KNOWN_FENCES
+    assert len(re.findall(r"^[ \t]*```", text, flags=re.M)) == 2 * len(fences), (
+        f"{page}: an unclosed or nested ``` fence"
+    )
+    unknown = {lang or "(no label)" for lang, _ in fences} - KNOWN_FENCES
     assert not unknown, f"{page}: fences {unknown} would silently not run; use python, text, bash or java"
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning", "ignore::FutureWarning")
 @pytest.mark.parametrize("page", sorted(PAGES))
 def test_page_runs(page, tmp_path, monkeypatch):
-    extras, fewest = PAGES[page]
-    missing = [name for name in extras if importlib.util.find_spec(name) is None]
-    if missing:  # the optional extras multihead[keras], multihead[onnx]; requirements-dev installs them
+    text = PAGES[page].read_text()
+    blocks = python_blocks(text)
+    assert len(blocks) == text.count("```python"), f"{page}: a ```python fence the parser did not read"
+    needs = imported_packages(blocks) | set(HIDDEN_NEEDS.get(page, ()))
+    missing = sorted(n for n in needs if n not in sys.modules and importlib.util.find_spec(n) is None)
+    if (
+        missing
+    ):  # the optional extras (multihead[keras], multihead[onnx], ...); requirements-dev installs them
         pytest.skip(f"{page} needs {missing} (not installed)")
     monkeypatch.setenv("KERAS_BACKEND", "torch")  # only matters if Keras is not imported yet
-    monkeypatch.chdir(tmp_path)  # files the page writes (the .onnx export) land here
-    blocks = python_blocks((DOCS / page).read_text())
-    assert len(blocks) >= fewest, f"{page}: found {len(blocks)} python blocks, expected >= {fewest}"
-    namespace = {"__name__": f"docs.{page}"}
+    monkeypatch.chdir(tmp_path)  # files a page writes (an .onnx export, a plot) land here
+    namespace = {"__name__": f"docs.{PAGES[page].stem}"}
     for line, code in blocks:
         # compile with the page as file name and the block's offset, so tracebacks point into the page
-        exec(compile("\n" * (line - 1) + code, str(DOCS / page), "exec"), namespace)
+        exec(compile("\n" * (line - 1) + code, str(PAGES[page]), "exec"), namespace)

@@ -8,6 +8,8 @@ from attention_cases import make_qkv, mask_kwargs
 
 import multihead as mh
 from multihead import masks
+from multihead.core import backends
+from multihead.core.attention import output_and_weights, prepare
 from multihead.testing import compare_to_reference
 
 BACKENDS = ["auto", "math", "sdpa"]
@@ -15,6 +17,21 @@ HEADS = {"mha": (8, 8), "gqa": (8, 2), "mqa": (8, 1)}
 # (Lq, Lk, Dk, Dv): length 1, Lq != Lk both ways, head dim 59, Dk != Dv, length 97
 SIZES = [(1, 1, 8, 8), (5, 7, 59, 32), (7, 5, 16, 24), (97, 97, 16, 16)]
 MASK_KINDS = ["none", "causal", "mask", "bias", "valid_lens_1d", "valid_lens_2d", "all"]
+
+
+def check_auto_choice(q, k, v, **kw):
+    """On CPU ``auto`` runs sdpa, or math when weights are asked for (flex needs CUDA): check the choice,
+    its reasons, and that ``auto`` gives exactly the chosen backend's result (so it ran that path)."""
+    expected = "math" if kw.get("return_weights") else "sdpa"
+    assert q.device.type == "cpu"
+    assert backends.select(prepare(q, k, v, **kw)).name == expected
+    why = mh.core.explain_backends(q, k, v, **kw)
+    assert why[expected] == [] and any("CUDA" in r for r in why["flex"]), why
+    if expected == "math":
+        assert any("cannot return attention weights" in r for r in why["sdpa"]), why
+    auto, chosen = (output_and_weights(mh.attention(q, k, v, backend=b, **kw)) for b in ("auto", expected))
+    for a, c in zip(auto, chosen):
+        assert (a is None and c is None) or torch.equal(a, c), f"auto did not run {expected}"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -31,6 +48,8 @@ def test_backend_matches_reference(backend, dtype, kind, heads, size):
     if dtype == torch.float64:
         assert rep.fast <= 1e-10, rep
     assert rep.ok, rep
+    if backend == "auto":
+        check_auto_choice(q, k, v, **kw)
 
 
 @pytest.mark.parametrize("backend", ["auto", "math"])
@@ -42,6 +61,8 @@ def test_weights_match_reference(backend, kind, heads):
     kw = mask_kwargs(kind, 2, h, 6, 9)
     rep = compare_to_reference(partial(mh.attention, backend=backend), q, k, v, return_weights=True, **kw)
     assert rep.fast_weights is not None and rep.ok, rep
+    if backend == "auto":
+        check_auto_choice(q, k, v, return_weights=True, **kw)
 
 
 def test_long_key_sequence_1025():
@@ -129,9 +150,12 @@ def test_broadcast_equivalent_masks(backend):
     base = torch.rand(5, 6, generator=torch.Generator().manual_seed(3)) > 0.4
     base[:, 0] = True
     shapes = [base, base[None], base[None, None], base.expand(2, 4, 5, 6).clone(), base.expand(4, 5, 6)]
-    outs = [mh.attention(q, k, v, mask=m, backend="math" if backend == "auto" else backend) for m in shapes]
+    outs = [mh.attention(q, k, v, mask=m, backend=backend) for m in shapes]
     for o in outs[1:]:
         torch.testing.assert_close(o, outs[0], atol=0, rtol=0)
+    if backend == "auto":
+        for m in shapes:
+            check_auto_choice(q, k, v, mask=m)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -237,3 +261,51 @@ def test_low_precision_bfloat16():
             valid_lens=torch.tensor([3, 11]),
         )
         assert rep.ok, (backend, rep)
+
+
+# ----------------------------------------------------------------------------------------------
+# The checker itself can fail: negative controls for compare_to_reference and the 2x rule
+# ----------------------------------------------------------------------------------------------
+
+
+def _wrong_scale(q, k, v, **kw):
+    """Attention with a 5% wrong score scale: 1.05 / sqrt(Dk)."""
+    return mh.attention(q, k, v, **kw, scale=1.05 / q.shape[-1] ** 0.5)
+
+
+def _causal_shifted(offset):
+    """Attention that gets ``causal=True`` wrong by ``offset`` keys (+1: sees one key ahead, -1: not itself)."""
+
+    def fn(q, k, v, *, causal, **kw):
+        assert causal
+        shifted = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril(offset)  # (Lq, Lk)
+        return mh.attention(q, k, v, mask=shifted, **kw)
+
+    return fn
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "wrong", [_wrong_scale, _causal_shifted(1), _causal_shifted(-1)], ids=["scale", "causal+1", "causal-1"]
+)
+@pytest.mark.parametrize("return_weights", [False, True])
+def test_compare_to_reference_fails_a_wrong_attention(dtype, wrong, return_weights):
+    q, k, v = make_qkv(2, 4, 2, 9, 9, 16, 16, dtype)
+    right = compare_to_reference(mh.attention, q, k, v, causal=True, return_weights=return_weights)
+    assert right.ok, right  # the same inputs pass with the right function
+    rep = compare_to_reference(wrong, q, k, v, causal=True, return_weights=return_weights)
+    assert not rep.ok, rep
+    assert rep.fast > rep.allowed(rep.reference)
+    if return_weights:
+        assert rep.fast_weights > rep.allowed(rep.reference_weights)
+
+
+def test_compare_to_reference_checks_the_weights_too():
+    """Right output, wrong weights (a 5% wrong scale): the report fails on the weights alone."""
+    q, k, v = make_qkv(2, 4, 2, 9, 9, 16, 16)
+
+    def wrong_weights(q, k, v, **kw):
+        return mh.AttentionOutput(mh.attention(q, k, v, **kw).output, _wrong_scale(q, k, v, **kw).weights)
+
+    rep = compare_to_reference(wrong_weights, q, k, v, return_weights=True)
+    assert rep.fast <= rep.allowed(rep.reference) and not rep.ok, rep

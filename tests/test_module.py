@@ -6,7 +6,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 import multihead as mh
-from multihead.nn import merge_heads
+from multihead.compat import d2l as compat_d2l
+from multihead.compat import torch as compat_torch
+from multihead.nn import merge_heads, seam
 
 
 def torch_padding(valid_lens, lk):
@@ -150,3 +152,146 @@ def test_factory_kwargs_and_repr():
     m = mh.MultiHeadAttention(8, 4, kv_heads=2, dtype=torch.float64, device="cpu")
     assert all(p.dtype == torch.float64 for p in m.parameters())
     assert "kv_heads=2" in repr(m)
+
+
+# ----------------------------------------------------------------------------------------------
+# The seam: every module's attention goes through multihead.nn.seam.attend
+# ----------------------------------------------------------------------------------------------
+
+
+class Spy:
+    """An attention function that records its calls and computes the default attention."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, q, k, v, **kwargs):
+        self.calls.append(((tuple(q.shape), tuple(k.shape), tuple(v.shape)), kwargs))
+        return mh.attention(q, k, v, **kwargs)
+
+
+def test_attention_fn_gets_the_heads_and_every_keyword():
+    torch.manual_seed(0)
+    spy = Spy()
+    m = mh.MultiHeadAttention(16, 4, kv_heads=2, kdim=6, vdim=6, dropout=0.25, attention_fn=spy)
+    assert m.attention_fn is spy
+    x, mem = torch.randn(2, 3, 16), torch.randn(2, 5, 6)
+    mask, bias, lens = torch.ones(3, 5, dtype=torch.bool), torch.zeros(3, 5), torch.tensor([5, 2])
+    m.eval()(x, mem, mem, mask=mask, bias=bias, valid_lens=lens, causal=True, return_weights=True)
+    m.train()(x, mem, mem)
+    (shapes, eval_kw), (_, train_kw) = spy.calls
+    assert shapes == ((2, 4, 3, 4), (2, 2, 5, 4), (2, 2, 5, 4))  # q (B, H, Lq, D), k/v (B, Hkv, Lk, D)
+    assert eval_kw["mask"] is mask and eval_kw["bias"] is bias and eval_kw["valid_lens"] is lens
+    assert eval_kw["causal"] is True and eval_kw["return_weights"] is True and eval_kw["backend"] == "auto"
+    assert eval_kw["dropout"] == 0.0 and train_kw["dropout"] == 0.25  # attention dropout only in training
+    assert set(eval_kw) == {
+        "mask",
+        "bias",
+        "valid_lens",
+        "causal",
+        "scale",
+        "dropout",
+        "return_weights",
+        "backend",
+    }
+
+
+def test_attention_fn_result_is_what_the_module_uses():
+    torch.manual_seed(0)
+    m = mh.MultiHeadAttention(8, 2, attention_fn=lambda q, k, v, **kw: torch.zeros_like(q))
+    x = torch.randn(2, 3, 8)
+    torch.testing.assert_close(m(x), m.out_proj.bias.expand(2, 3, 8))  # zero heads -> out_proj(0) = bias
+    m.attention_fn = mh.attention  # an attribute: swap it on a live module
+    plain = mh.MultiHeadAttention(8, 2)
+    plain.load_state_dict(m.state_dict())
+    torch.testing.assert_close(m(x), plain(x))
+
+
+def test_attention_fn_must_be_callable():
+    with pytest.raises(
+        TypeError, match="attention_fn must be a function with multihead.attention's signature"
+    ):
+        mh.MultiHeadAttention(8, 2, attention_fn="math")
+
+
+def _sharded(q, k, v, **kwargs):
+    return mh.attention(q, k, v, **kwargs)
+
+
+_sharded.sharded = True  # what ring attention's ShardedAttention declares: inputs are per-rank shards
+
+
+def test_a_sharded_attention_fn_is_refused_where_positions_are_per_call():
+    with pytest.raises(ValueError, match="ring attention over sharded sequences cannot use rotary=True"):
+        mh.MultiHeadAttention(8, 2, rotary=True, attention_fn=_sharded)
+    m = mh.MultiHeadAttention(8, 2, attention_fn=_sharded)
+    x = torch.randn(1, 3, 8)
+    assert m(x).shape == (1, 3, 8)  # no positions per call: fine
+    with pytest.raises(ValueError, match="cannot use a KV cache"):
+        m(x, cache=mh.KVCache(), causal=True)
+
+
+class Counter(seam.Inspector):
+    """Counts the calls per module and checks what the seam hands it."""
+
+    def __init__(self, wants_weights=False, scale=1.0):
+        self.wants_weights, self.scale, self.seen = wants_weights, scale, []
+
+    def on_heads(self, module, heads, weights):
+        assert heads.dim() == 4 and (weights is not None or not self.wants_weights)
+        self.seen.append(module)
+        return heads * self.scale
+
+
+def test_inspector_sees_each_call_and_can_change_the_heads():
+    torch.manual_seed(0)
+    m = mh.MultiHeadAttention(8, 2).eval()
+    x = torch.randn(2, 3, 8)
+    with torch.no_grad():
+        y = m(x)
+        with seam.inspecting(Counter(wants_weights=True)) as looking:
+            out = m(x)  # weights computed for the inspector (it checks), not returned to the caller
+            assert isinstance(out, torch.Tensor) and out.shape == (2, 3, 8)
+        with seam.inspecting(Counter(scale=0.0)) as zeroing:
+            torch.testing.assert_close(m(x), m.out_proj.bias.expand(2, 3, 8))  # gated heads change the output
+        torch.testing.assert_close(m(x), y)  # and leaving the block leaves no trace
+    assert looking.seen == [m] and zeroing.seen == [m]
+
+
+def test_inspectors_nest_and_unwind_on_error():
+    outer, inner = Counter(), Counter()
+    with seam.inspecting(outer):
+        with pytest.raises(RuntimeError, match="boom"), seam.inspecting(inner):
+            assert seam.current() is inner
+            raise RuntimeError("boom")
+        assert seam.current() is outer
+    assert seam.current() is None
+
+
+def _modules_that_attend():
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 8)
+    mha = mh.MultiHeadAttention(8, 2)
+    torch_mha = compat_torch.MultiheadAttention(8, 2, batch_first=True)
+    d2l_mha = compat_d2l.MultiHeadAttention(8, 8, 8, 8, 2, 0.0)
+    layer = mh.TransformerEncoderLayer(8, 2, 16, dropout=0.0)
+    return {
+        "MultiHeadAttention": (mha, lambda: mha(x)),
+        "compat.torch": (torch_mha, lambda: torch_mha(x, x, x)),
+        "compat.d2l": (d2l_mha.attention, lambda: d2l_mha(x, x, x, None)),
+        "TransformerEncoderLayer": (layer.self_attn, lambda: layer(x)),
+    }
+
+
+@pytest.mark.parametrize(
+    "name", ["MultiHeadAttention", "compat.torch", "compat.d2l", "TransformerEncoderLayer"]
+)
+def test_every_module_that_attends_goes_through_the_seam(name):
+    """The inspector sees the call (with the module that attends), and a replaced attention_fn runs."""
+    holder, run = _modules_that_attend()[name]
+    spy = Spy()
+    holder.attention_fn = spy
+    with torch.no_grad(), seam.inspecting(Counter()) as counter:
+        run()
+    assert counter.seen == [holder]
+    assert len(spy.calls) == 1

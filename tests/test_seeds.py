@@ -10,7 +10,7 @@ from torch import nn
 
 import multihead as mh
 from multihead.compat import weights
-from multihead.nn import merge_heads
+from multihead.nn import merge_heads, split_heads
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "seeds"
 E, H, D, B, L = 12, 3, 4, 2, 5
@@ -140,24 +140,32 @@ def test_000_heads_come_from_the_argument_and_projections_are_d_model_wide():
         assert m.in_proj_weight.shape == (3 * 512, 512)  # d_model wide, not d_k = 64 wide
 
 
-def test_000_minus_inf_times_mask_is_nan_but_bool_masks_are_finite():
-    assert torch.isnan(float("-inf") * torch.tensor(0.0))  # the notebook's `scores += -inf * mask`
-    q, k, v = (torch.randn(1, 2, 3, 4) for _ in range(3))
+def test_000_a_0_1_float_mask_is_refused_and_a_bool_mask_hides_keys_exactly():
+    """The notebook's ``scores += -inf * mask`` turns every 0 entry into NaN. The library refuses a 0/1
+    float mask with the fix, and a bool mask gives each query the softmax over its allowed keys only."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 3, D, generator=g, dtype=torch.float64) for _ in range(3))  # (B, H, L, D)
     zero_one = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
-    with pytest.raises(ValueError, match="bool"):
-        mh.attention(q, k, v, mask=zero_one)  # a 0/1 float mask is refused with the fix, not NaN
+    with pytest.raises(ValueError, match=r"must be a bool tensor.*`bias=`"):
+        mh.attention(q, k, v, mask=zero_one)
     out, w = mh.attention(q, k, v, mask=zero_one.bool(), return_weights=True)
-    assert torch.isfinite(out).all() and torch.equal(
-        w[..., zero_one == 0], torch.zeros_like(w[..., zero_one == 0])
-    )
+    assert torch.isfinite(out).all()
+    for i, allowed in enumerate(zero_one.bool()):  # row i, from the allowed keys alone
+        scores = q[..., i : i + 1, :] @ k[..., allowed, :].transpose(-1, -2) / D**0.5  # (B, H, 1, n)
+        p = torch.softmax(scores, dim=-1)
+        torch.testing.assert_close(out[..., i : i + 1, :], p @ v[..., allowed, :])
+        torch.testing.assert_close(w[..., i : i + 1, allowed], p)
+        assert not w[..., i, ~allowed].any()  # hidden keys: weight exactly 0
 
 
-def test_001_list_in_list_concat_fails_and_merge_heads_is_the_concat():
+def test_001_merge_heads_is_the_concatenation_of_the_heads():
+    """The notebook meant ``torch.cat(head_outputs, -1)``; ``merge_heads`` is that, and ``split_heads``
+    undoes it."""
     heads = [torch.randn(B, L, D) for _ in range(H)]
-    with pytest.raises(TypeError):
-        torch.cat([heads], -1)  # the notebook's line
     stacked = torch.stack(heads, 1)  # (B, H, L, D)
-    torch.testing.assert_close(merge_heads(stacked), torch.cat(heads, -1))
+    merged = merge_heads(stacked)  # (B, L, H*D)
+    assert torch.equal(merged, torch.cat(heads, -1))
+    assert torch.equal(split_heads(merged, H), stacked)
 
 
 def test_001_no_unused_parameters_and_the_mask_is_used():

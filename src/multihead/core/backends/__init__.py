@@ -11,40 +11,12 @@ cannot serve the call raises a ``ValueError`` listing its reasons -- a backend n
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
-
-from torch import Tensor
-
-from ..masks import Normalized
+from . import flex as _flex
+from . import math as _math
+from . import sdpa as _sdpa
+from .base import AttentionCall, Backend
 
 __all__ = ["AUTO_ORDER", "AttentionCall", "Backend", "available", "explain", "get", "register", "select"]
-
-
-@dataclass
-class AttentionCall:
-    """One validated attention call: inputs, normalised masks and options."""
-
-    q: Tensor  # (B, H, Lq, Dk)
-    k: Tensor  # (B, Hkv, Lk, Dk)
-    v: Tensor  # (B, Hkv, Lk, Dv)
-    masks: Normalized
-    scale: float
-    dropout: float
-    return_weights: bool
-
-    @property
-    def groups(self) -> int:
-        """G = H // Hkv query heads per key/value head (1 for plain multi-head attention)."""
-        return self.q.shape[1] // self.k.shape[1]
-
-
-class Backend(Protocol):
-    name: str
-
-    def why_not(self, call: AttentionCall) -> list[str]: ...
-
-    def __call__(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]: ...
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -89,10 +61,6 @@ def select(call: AttentionCall, name: str = "auto") -> Backend:
         raise ValueError(f"backend {name!r} cannot serve this call: " + "; ".join(reasons))
     return backend
 
-
-from . import flex as _flex  # noqa: E402
-from . import math as _math  # noqa: E402
-from . import sdpa as _sdpa  # noqa: E402
 
 # Registration order is the auto order: flex serves only CUDA calls with a mask or bias (block
 # skipping), sdpa every call without weights, math everything else (weights included).

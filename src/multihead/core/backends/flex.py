@@ -24,8 +24,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from . import AttentionCall
 from ._common import zero_dead_rows
+from .base import AttentionCall
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..masks import causal
-from . import AttentionCall
 from ._common import group_mask, group_queries, ungroup, zero_dead_rows
+from .base import AttentionCall
 
 
 class MathBackend:

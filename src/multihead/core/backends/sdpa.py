@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import AttentionCall
 from ._common import zero_dead_rows
+from .base import AttentionCall
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

@@ -1,0 +1,48 @@
+"""What a backend is: the call it receives (:class:`AttentionCall`) and the :class:`Backend` protocol.
+
+Dimensions: B batch, H query heads, Hkv key/value heads (H % Hkv == 0), G = H // Hkv,
+Lq/Lk query/key lengths, Dk query/key head dim, Dv value head dim.
+
+The backends (``flex``, ``sdpa``, ``math``) import these from here, not from the package, so the
+registry in ``backends/__init__.py`` can import the backends without an import cycle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from torch import Tensor
+
+from ..masks import Normalized
+
+__all__ = ["AttentionCall", "Backend"]
+
+
+@dataclass
+class AttentionCall:
+    """One validated attention call: inputs, normalised masks and options."""
+
+    q: Tensor  # (B, H, Lq, Dk)
+    k: Tensor  # (B, Hkv, Lk, Dk)
+    v: Tensor  # (B, Hkv, Lk, Dv)
+    masks: Normalized
+    scale: float
+    dropout: float
+    return_weights: bool
+
+    @property
+    def groups(self) -> int:
+        """G = H // Hkv query heads per key/value head (1 for plain multi-head attention)."""
+        return self.q.shape[1] // self.k.shape[1]
+
+
+class Backend(Protocol):
+    """A backend: ``why_not(call)`` lists every reason it cannot serve ``call`` ([] = it can), and
+    ``backend(call)`` returns ``(output (B, H, Lq, Dv), weights (B, H, Lq, Lk) or None)``."""
+
+    name: str
+
+    def why_not(self, call: AttentionCall) -> list[str]: ...
+
+    def __call__(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]: ...

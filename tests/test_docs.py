@@ -81,3 +81,18 @@ def test_page_runs(page, tmp_path, monkeypatch):
     for line, code in blocks:
         # compile with the page as file name and the block's offset, so tracebacks point into the page
         exec(compile("\n" * (line - 1) + code, str(PAGES[page]), "exec"), namespace)
+
+
+TEST_REFERENCE = re.compile(r"\b(test_\w+\.py)::(test_\w+)")
+
+
+@pytest.mark.parametrize("page", sorted(PAGES))
+def test_tests_a_page_cites_exist(page):
+    """A claim backed by ``test_file.py::test_name`` names a test that is there (renames leave no stale cite)."""
+    tests = ROOT / "tests"
+    missing = [
+        f"{file}::{name}"
+        for file, name in TEST_REFERENCE.findall(PAGES[page].read_text())
+        if not (tests / file).exists() or f"def {name}(" not in (tests / file).read_text()
+    ]
+    assert not missing, f"{page} cites tests that do not exist: {missing}"

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from .records import Check
 from .runner import CaseRecord, Report
+from .stats import per_round_ratio
 
 __all__ = ["chart", "markdown", "to_json", "write"]
 
@@ -55,6 +56,29 @@ def _case_rows(rec: CaseRecord, unit_scale: float) -> list[str]:
     return rows
 
 
+def _sweep_tables(report: Report) -> list[str]:
+    """One table per sweep: the subject's and the peer's times per case, and their per-round ratio."""
+    lines: list[str] = []
+    by_name = {rec.case.name: rec for rec in report.cases}
+    for check, sweep in zip(report.sweeps, report.sweep_defs, strict=True):
+        subject, peer = sweep.subject, sweep.target.peer or ""
+        lines += ["", f"{sweep.name}: {check.target}.", ""]
+        lines += [f"| case | {subject} ms [IQR] | {peer} ms [IQR] | {subject} / {peer} [IQR] |"]
+        lines += ["| --- | ---: | ---: | ---: |"]
+        for name in sweep.cases:
+            rec = by_name.get(name)
+            ours, theirs = (rec.results.get(subject), rec.results.get(peer)) if rec else (None, None)
+            if not (ours and theirs and ours.times_s and theirs.times_s and ours.time_s and theirs.time_s):
+                lines.append(f"| {name} | | | |")
+                continue
+            ratio = per_round_ratio(ours.times_s, theirs.times_s)
+            lines.append(
+                f"| {name} | {ours.time_s.scaled(1e3).words('.3f')} | {theirs.time_s.scaled(1e3).words('.3f')} "
+                f"| {ratio.words('.2f', 'x')} |"
+            )
+    return lines
+
+
 def markdown(report: Report) -> str:
     """The report as markdown: one table of contenders per case, then the targets with their spread."""
     unit, scale = ("TFLOP/s", 1e-3) if report.device.startswith("cuda") else ("GFLOP/s", 1.0)
@@ -71,6 +95,7 @@ def markdown(report: Report) -> str:
     ]
     for rec in report.cases:
         lines += _case_rows(rec, scale)
+    lines += _sweep_tables(report)
     checks = [(rec.case.name, c) for rec in report.cases for c in rec.checks]
     checks += [("(sweep)", c) for c in report.sweeps]
     if checks:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .cases import Case, Run, Suite, flops
+from .cases import Case, Run, Suite, Sweep, flops
 from .contenders import CONTENDERS, Step, build, matmul_step
 from .measure import Progress, Settings, available_bytes, interleaved, peak_memory, track_cpu_memory
 from .records import Check, Result
@@ -48,6 +48,7 @@ class Report:
     quick: bool
     cases: list[CaseRecord]
     sweeps: list[Check]
+    sweep_defs: list[Sweep]
 
 
 def _scores_bytes(case: Case) -> int:
@@ -212,6 +213,7 @@ def run_suite(
         quick=False,
         cases=[records[c.name] for c in suite.cases],
         sweeps=sweeps,
+        sweep_defs=suite.sweeps,
     )
 
 

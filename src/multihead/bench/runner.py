@@ -123,6 +123,7 @@ def add_memory(record: CaseRecord, device: torch.device, progress: Progress) -> 
     """The peak memory of every run of a timed case that completed (one call each, after a warm call)."""
     if not record.case.measure_memory:
         return
+    progress.start(record.case.name)
     for r in record.case.runs:
         res = record.results.get(r.label)
         if res is not None and res.ok and res.peak_memory_mib is None:

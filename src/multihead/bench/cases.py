@@ -54,8 +54,9 @@ class Case:
     forward that also returns the per-head weights) or ``"forward-train-module"`` (a module in train
     mode, forward under no grad: torch's slow path). ``memory_only``: one call per contender (long
     sequences), for its peak memory. ``own_process``: measured in a fresh process of its own (a clean
-    heap; a one-rank process group for ring attention). ``subject``: the run every ratio and target
-    refers to.
+    heap; a one-rank process group for ring attention). ``steps``: decoding steps per timed sample
+    (cached length L, L+1, ..., L+steps-1; times are per step), so that a sample outlasts the timer's
+    and the scheduler's granularity. ``subject``: the run every ratio and target refers to.
     """
 
     name: str
@@ -72,6 +73,7 @@ class Case:
     memory_only: bool = False
     measure_memory: bool = True
     own_process: bool = False
+    steps: int = 1
     subject: str = OURS
     runs: tuple[Run, ...] = ()
     targets: tuple[Target, ...] = ()
@@ -144,7 +146,7 @@ def _decode_cases(quick: bool) -> tuple[list[Case], Sweep]:
     lengths, e = ((16, 64), 32) if quick else (DECODE_LENGTHS, 512)
     cases = [
         Case(f"decode step, cached {n}", 1, n, e, 8, query_length=1, causal=True, level="decode",
-             measure_memory=False, runs=(row(OURS), row("bare")),
+             measure_memory=False, steps=2 if quick else 16, runs=(row(OURS), row("bare")),
              targets=(Target("time", "bare", "<=", 1.3),) if n == 4096 else ())
         for n in lengths
     ]  # fmt: skip

@@ -258,7 +258,7 @@ def _decode_inputs(case: Case, device: torch.device) -> tuple[MultiHeadAttention
 
 
 def _ours_decode(case: Case, device: torch.device) -> Step:
-    """``mha(x, cache=cache, causal=True)`` with the cache holding L positions before every call."""
+    """``case.steps`` calls ``mha(x, cache=cache, causal=True)``, the cache put back to L positions first."""
     mod, x, k0, v0 = _decode_inputs(case, device)
     cache = KVCache()
 
@@ -269,20 +269,21 @@ def _ours_decode(case: Case, device: torch.device) -> Step:
 
     def step() -> Tensor:
         with torch.no_grad():
-            return mod(x, cache=cache, causal=case.causal)  # (B, Lq, E)
+            for _ in range(case.steps):
+                out = mod(x, cache=cache, causal=case.causal)  # (B, Lq, E)
+        return out
 
     return Step(step, refill)
 
 
 def _bare_decode(case: Case, device: torch.device) -> Step:
-    """The same step's unavoidable work: the projections, a write into a buffer, fused attention."""
+    """The same steps' unavoidable work: the projections, a write into a buffer, fused attention."""
     mod, x, k0, v0 = _decode_inputs(case, device)
-    n, lq = case.length, case.lq
+    n, lq, steps = case.length, case.lq, case.steps
     h, hkv = mod.num_heads, mod.kv_heads
-    kbuf = torch.empty(
-        k0.shape[0], hkv, n + lq, k0.shape[3], dtype=k0.dtype, device=device
-    )  # (B, Hkv, L+Lq, D)
-    vbuf = torch.empty_like(kbuf)  # (B, Hkv, L+Lq, D)
+    shape = (k0.shape[0], hkv, n + steps * lq, k0.shape[3])
+    kbuf = torch.empty(shape, dtype=k0.dtype, device=device)  # (B, Hkv, L + steps*Lq, D)
+    vbuf = torch.empty_like(kbuf)  # (B, Hkv, L + steps*Lq, D)
     kbuf[:, :, :n], vbuf[:, :, :n] = k0, v0
     w, bias = mod.in_proj_weight, mod.in_proj_bias
     sizes = [h * mod.head_dim, hkv * mod.head_dim, hkv * mod.v_head_dim]  # rows of q, k, v in in_proj
@@ -290,13 +291,20 @@ def _bare_decode(case: Case, device: torch.device) -> Step:
 
     def step() -> Tensor:
         with torch.no_grad():
-            q, k, v = F.linear(x, w, bias).split(sizes, dim=-1)  # (B, Lq, H*D), (B, Lq, Hkv*D) x2
-            kbuf[:, :, n:] = split_heads(k, hkv)  # (B, Hkv, Lq, D)
-            vbuf[:, :, n:] = split_heads(v, hkv)  # (B, Hkv, Lq, D)
-            out = F.scaled_dot_product_attention(
-                split_heads(q, h), kbuf, vbuf, is_causal=causal, enable_gqa=h != hkv
-            )  # (B, H, Lq, D)
-            return mod.out_proj(merge_heads(out))  # (B, Lq, E)
+            for i in range(steps):
+                end = n + (i + 1) * lq
+                q, k, v = F.linear(x, w, bias).split(sizes, dim=-1)  # (B, Lq, H*D), (B, Lq, Hkv*D) x2
+                kbuf[:, :, end - lq : end] = split_heads(k, hkv)  # (B, Hkv, Lq, D)
+                vbuf[:, :, end - lq : end] = split_heads(v, hkv)  # (B, Hkv, Lq, D)
+                heads = F.scaled_dot_product_attention(
+                    split_heads(q, h),
+                    kbuf[:, :, :end],
+                    vbuf[:, :, :end],
+                    is_causal=causal,
+                    enable_gqa=h != hkv,
+                )  # (B, H, Lq, D)
+                out = mod.out_proj(merge_heads(heads))  # (B, Lq, E)
+        return out
 
     return Step(step)
 

@@ -111,7 +111,8 @@ def measure_case(
         record.matmul_gflops = spread([2 * settings.matmul_n**3 / t / 1e9 for t in matmul])
         results.update({label: Result(e) for label, e in errors.items()})
         for label, ts in times.items():
-            results[label] = _result(case.variant(runs[label]), ts, matmul, settings.matmul_n)
+            c = case.variant(runs[label])
+            results[label] = _result(c, [t / c.steps for t in ts], matmul, settings.matmul_n)  # per step
     record.results = {r.label: results[r.label] for r in case.runs if r.label in results}
     if memory and not case.memory_only:
         add_memory(record, device, progress)

@@ -67,10 +67,12 @@ def _verdict(text: str, value: Spread | None, target: Target) -> Check:
 
 
 def _peer_runs(results: Mapping[str, Result], peer: str) -> list[Result]:
-    exact = results.get(peer)
-    if exact is not None:
-        return [exact] if exact.ok else []
-    return [r for label, r in results.items() if label.split("@")[0] == peer and r.ok]
+    """The completed runs ``peer`` names: that label (with ``@``), or every run of that contender."""
+    return [
+        r
+        for label, r in results.items()
+        if r.ok and (label == peer or ("@" not in peer and label.split("@")[0] == peer))
+    ]
 
 
 def evaluate(target: Target, subject: str, results: Mapping[str, Result]) -> Check:

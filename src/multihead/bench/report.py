@@ -152,7 +152,8 @@ def chart(report: Report, path: Path) -> None:
     ax.set_xticklabels([r.case.name.replace(" ", "\n", 2) for r in cases], fontsize=7)
     ax.set_ylabel("GFLOP/s (higher is better)")
     ax.set_title(f"attention on {report.device} ({report.threads} threads, torch {report.torch})", fontsize=9)
-    ax.legend(fontsize=7, ncol=2)
+    if labels or rates:
+        ax.legend(fontsize=7, ncol=2)
     if decode:
         ax = axes[0][1]
         lengths = [n for n, _ in decode]

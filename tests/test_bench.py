@@ -15,6 +15,7 @@ import multihead as mh
 from multihead import cli
 from multihead.bench import Case, Result, Settings, Spread, Target, cpu_suite, cuda_suite, flops, row
 from multihead.bench.contenders import CONTENDERS, build
+from multihead.bench.report import load, markdown
 from multihead.bench.runner import _measure_in_own_process
 from multihead.bench.stats import per_round_ratio, spread
 from multihead.bench.targets import describe, evaluate, evaluate_growth
@@ -42,6 +43,7 @@ def test_bench_quick_smoke(tmp_path, capsys):
     assert len(report["sweeps"]) == 1 and report["sweeps"][0]["value"] is not None
     md = (tmp_path / "cpu-quick.md").read_text()
     assert "| case | contender |" in md and "| case | target |" in md and "[" in md
+    assert markdown(load(tmp_path / "cpu-quick.json")) == md  # the JSON holds the whole report
     assert (tmp_path / "cpu-quick.png").stat().st_size > 1000
     assert "wrote" in capsys.readouterr().out
 

@@ -56,7 +56,9 @@ class Case:
     sequences), for its peak memory. ``own_process``: measured in a fresh process of its own (a clean
     heap; a one-rank process group for ring attention). ``steps``: decoding steps per timed sample
     (cached length L, L+1, ..., L+steps-1; times are per step), so that a sample outlasts the timer's
-    and the scheduler's granularity. ``subject``: the run every ratio and target refers to.
+    and the scheduler's granularity. ``yardstick``: time the matmul yardstick in the same rounds (off
+    where the case's rate means nothing, e.g. one decoding step). ``subject``: the run every ratio and
+    target refers to.
     """
 
     name: str
@@ -74,6 +76,7 @@ class Case:
     measure_memory: bool = True
     own_process: bool = False
     steps: int = 1
+    yardstick: bool = True
     subject: str = OURS
     runs: tuple[Run, ...] = ()
     targets: tuple[Target, ...] = ()
@@ -146,7 +149,7 @@ def _decode_cases(quick: bool) -> tuple[list[Case], Sweep]:
     lengths, e = ((16, 64), 32) if quick else (DECODE_LENGTHS, 512)
     cases = [
         Case(f"decode step, cached {n}", 1, n, e, 8, query_length=1, causal=True, level="decode",
-             measure_memory=False, steps=2 if quick else 16, runs=(row(OURS), row("bare")),
+             measure_memory=False, steps=2 if quick else 16, yardstick=False, runs=(row(OURS), row("bare")),
              targets=(Target("time", "bare", "<=", 1.3),) if n == 4096 else ())
         for n in lengths
     ]  # fmt: skip

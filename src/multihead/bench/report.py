@@ -7,11 +7,13 @@ import json
 import statistics
 from pathlib import Path
 
-from .records import Check
+from .cases import Case, Run, Sweep
+from .records import Check, Result
 from .runner import CaseRecord, Report
-from .stats import per_round_ratio
+from .stats import Spread, per_round_ratio
+from .targets import Target
 
-__all__ = ["chart", "markdown", "to_json", "write"]
+__all__ = ["chart", "load", "markdown", "to_json", "write"]
 
 
 def to_json(obj: object) -> object:
@@ -188,3 +190,40 @@ def write(report: Report, out: Path, stem: str) -> list[Path]:
     except ImportError:
         paths.pop()
     return paths
+
+
+def _spread(d: dict | None) -> Spread | None:
+    return None if d is None else Spread(**d)
+
+
+def _case(d: dict) -> Case:
+    runs = tuple(Run(r["label"], r["contender"], tuple(tuple(c) for c in r["changes"])) for r in d["runs"])
+    return Case(**{**d, "runs": runs, "targets": tuple(Target(**t) for t in d["targets"])})
+
+
+def _check(d: dict) -> Check:
+    return Check(d["target"], _spread(d["value"]), d["met"], d["clear"])
+
+
+def load(path: Path) -> Report:
+    """The :class:`Report` a ``.json`` written by :func:`write` holds (to re-render its tables/chart)."""
+    data = json.loads(Path(path).read_text())
+    spreads = ("time_s", "of_matmul", "time_vs_subject")
+    cases = [
+        CaseRecord(
+            _case(rec["case"]),
+            rec["flops"],
+            _spread(rec["matmul_gflops"]),
+            {
+                lab: Result(**{**r, **{k: _spread(r[k]) for k in spreads}})
+                for lab, r in rec["results"].items()
+            },
+            [_check(c) for c in rec["checks"]],
+        )
+        for rec in data["cases"]
+    ]
+    sweep_defs = [
+        Sweep(s["name"], tuple(s["cases"]), s["subject"], Target(**s["target"])) for s in data["sweep_defs"]
+    ]
+    rest = {k: v for k, v in data.items() if k not in ("cases", "sweeps", "sweep_defs")}
+    return Report(**rest, cases=cases, sweeps=[_check(c) for c in data["sweeps"]], sweep_defs=sweep_defs)

@@ -97,7 +97,8 @@ def measure_case(
         small = replace(case, length=min(case.length, 256))
         for label in steps:  # first-call costs (thread pools, lazy init) out of the measurement
             build(runs[label].contender, small.variant(runs[label]), device).run()
-        track_cpu_memory() if device.type == "cpu" else None
+        if device.type == "cpu":
+            track_cpu_memory()
         for label, step in steps.items():
             t0 = time.perf_counter()
             mem = peak_memory(step, device)
@@ -105,10 +106,11 @@ def measure_case(
             results[label] = replace(res, peak_memory_mib=mem)
             progress.note(label)
     else:
-        yardstick = {"matmul": matmul_step(device, settings.matmul_n)}
+        yardstick = {"matmul": matmul_step(device, settings.matmul_n)} if case.yardstick else {}
         times, errors = interleaved({**steps, **yardstick}, device, settings, progress.note)
-        matmul = times.pop("matmul")
-        record.matmul_gflops = spread([2 * settings.matmul_n**3 / t / 1e9 for t in matmul])
+        matmul = times.pop("matmul", None)
+        if matmul:
+            record.matmul_gflops = spread([2 * settings.matmul_n**3 / t / 1e9 for t in matmul])
         results.update({label: Result(e) for label, e in errors.items()})
         for label, ts in times.items():
             c = case.variant(runs[label])

@@ -7,8 +7,6 @@ against a float64 reference is at most 2x the float32 reference's own error (``m
 
 from __future__ import annotations
 
-import json
-import os
 import warnings
 from functools import partial
 
@@ -19,8 +17,6 @@ from attention_cases import make_qkv, mask_kwargs
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import multihead as mh
-from multihead import cli
-from multihead.bench import harness as bench
 from multihead.core import backends
 from multihead.core.attention import explain_backends, output_and_weights, prepare
 from multihead.core.backends.flex import FlexBackend
@@ -248,33 +244,6 @@ def test_no_lq_by_lk_tensor_forward_or_backward(kv_heads):
         assert _largest(lambda: m(x, return_weights=True)) >= b * h * lxl
 
 
-# ----------------------------------------------------------------------------------------------
-# The benchmark: one smoke run at tiny shapes
-# ----------------------------------------------------------------------------------------------
-
-
-def test_bench_quick_smoke(tmp_path, capsys):
-    assert cli.main(["bench", "--quick", "--no-progress", "--out", str(tmp_path)]) == 0
-    report = json.loads((tmp_path / "cpu-quick.json").read_text())
-    assert report["quick"] and len(report["cases"]) == len(bench.cpu_suite(quick=True))
-    for case in report["cases"]:
-        assert case["results"]["multihead"]["status"] == "ok", case["name"]
-        assert case["results"]["multihead"]["median_s"] > 0
-        assert len(case["checks"]) == len(case["targets"])
-    md = (tmp_path / "cpu-quick.md").read_text()
-    assert "| case | contender |" in md and "| case | target |" in md
-    assert (tmp_path / "cpu-quick.png").stat().st_size > 1000
-    assert "wrote" in capsys.readouterr().out
-
-
-def test_bench_flops_formula():
-    case = bench.Case("x", 8, 512, 512, 8)
-    proj, attn = 2 * 8 * 512 * 512 * 3 * 512 + 2 * 8 * 512 * 512 * 512, 4 * 8 * 8 * 512 * 512 * 64
-    assert bench.flops(case) == proj + attn
-    assert bench.flops(bench.Case("x", 8, 512, 512, 8, causal=True)) == proj + attn / 2
-    assert bench.flops(bench.Case("x", 8, 512, 512, 8, mode="train")) == 3 * proj + 3.5 * attn
-
-
 @pytest.mark.parametrize("block_bytes", [1, 300])
 @pytest.mark.parametrize("kind", MASK_KINDS)
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
@@ -306,13 +275,3 @@ def test_blocked_path_is_not_taken_when_autograd_records(monkeypatch):
     (g,) = torch.autograd.grad(out.sum(), q)
     (g_ref,) = torch.autograd.grad(mh.attention_reference(q, k, v).sum(), q)
     torch.testing.assert_close(g, g_ref)
-
-
-def test_bench_memory_case_in_its_own_process():
-    """A CPU memory case measured in a fresh process comes back as the same record a local run makes."""
-    (case,) = [c for c in bench.cpu_suite(quick=True) if c.memory_only and c.mode == "train"]
-    progress = bench.Progress(len(case.contenders), open(os.devnull, "w"))  # noqa: SIM115
-    record = bench._in_fresh_process(case, 1, progress, quick=True)
-    assert record["name"] == case.name and set(record["results"]) == set(case.contenders)
-    ours = record["results"][bench.OURS]
-    assert ours["status"] == "ok" and ours["peak_memory_mib"] is not None and ours["median_s"] > 0

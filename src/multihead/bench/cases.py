@@ -1,0 +1,218 @@
+"""The benchmark cases: shapes, modes, contenders and targets, as plain records.
+
+Dimensions: B batch, Lq/Lk query/key lengths (self-attention: both L), E embed_dim, H query heads,
+Hkv key/value heads, D = E // H head dim.
+
+FLOPs of one call (:func:`flops`), counting a multiply-add as 2:
+
+* projections (module and decode levels): ``2*B*Lq*E*(H*D + 2*Hkv*D)`` for Q, K and V of the Lq new
+  tokens (``2*B*L*E*3E`` for plain multi-head self-attention) plus ``2*B*Lq*E*E`` for the output;
+* attention: ``4*B*H*D`` per visible (query, key) pair: ``Lq*Lk`` pairs, or with ``causal`` (bottom-right
+  aligned) ``Lq*Lk - Lq*(Lq-1)/2``;
+* forward + backward: 3x the projections (two matmuls per matmul in backward) and 3.5x the attention
+  (flash-attention's convention: the backward recomputes the scores, 2.5x the forward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal, NamedTuple
+
+from .targets import Target
+
+__all__ = ["OURS", "Case", "Run", "Suite", "Sweep", "cpu_suite", "cuda_suite", "flops", "row"]
+
+OURS = "multihead"
+
+Mode = Literal["forward", "train", "weights", "forward-train-module"]
+Level = Literal["module", "attention", "decode"]
+
+
+class Run(NamedTuple):
+    """One row of a case: ``contender`` (a key of :data:`multihead.bench.contenders.CONTENDERS`) run on
+    the case with the fields in ``changes`` replaced. ``label`` names the row (and targets' peers)."""
+
+    label: str
+    contender: str
+    changes: tuple[tuple[str, object], ...] = ()
+
+
+def row(contender: str, **changes: object) -> Run:
+    """``row("multihead", causal=False)`` -> the row ``multihead@causal=False``."""
+    label = contender + "".join(f"@{k}={v}" for k, v in changes.items())
+    return Run(label, contender, tuple(changes.items()))
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark case: a shape, a mode and the contenders that run it.
+
+    ``length``: Lk (and Lq unless ``query_length``). ``level``: ``"module"`` (projections + attention,
+    input (B, L, E)), ``"attention"`` (attention alone, q/k/v (B, H, L, D)) or ``"decode"`` (one
+    decoding step of ``query_length`` new tokens with ``length`` keys/values already cached).
+    ``mode``: ``"forward"`` (eval, no grad), ``"train"`` (forward + backward), ``"weights"`` (eval
+    forward that also returns the per-head weights) or ``"forward-train-module"`` (a module in train
+    mode, forward under no grad: torch's slow path). ``memory_only``: one call per contender (long
+    sequences), for its peak memory. ``own_process``: measured in a fresh process of its own (a clean
+    heap; a one-rank process group for ring attention). ``steps``: decoding steps per timed sample
+    (cached length L, L+1, ..., L+steps-1; times are per step), so that a sample outlasts the timer's
+    and the scheduler's granularity. ``yardstick``: time the matmul yardstick in the same rounds (off
+    where the case's rate means nothing, e.g. one decoding step). ``subject``: the run every ratio and
+    target refers to.
+    """
+
+    name: str
+    batch: int
+    length: int
+    embed_dim: int
+    heads: int
+    kv_heads: int | None = None
+    query_length: int | None = None
+    causal: bool = False
+    mode: Mode = "forward"
+    level: Level = "module"
+    dtype: str = "float32"
+    memory_only: bool = False
+    measure_memory: bool = True
+    own_process: bool = False
+    steps: int = 1
+    yardstick: bool = True
+    subject: str = OURS
+    runs: tuple[Run, ...] = ()
+    targets: tuple[Target, ...] = ()
+
+    @property
+    def lq(self) -> int:
+        """Query length Lq."""
+        return self.length if self.query_length is None else self.query_length
+
+    @property
+    def lk(self) -> int:
+        """Key length Lk the attention spans (a decoding step: the cached keys and the new ones)."""
+        return self.length + self.lq if self.level == "decode" else self.length
+
+    def variant(self, r: Run) -> Case:
+        """This case as run ``r`` runs it."""
+        return replace(self, **dict(r.changes)) if r.changes else self
+
+    def shape(self) -> str:
+        """``"B=8 L=512 E=512 H=8"`` (and Hkv, Lq where they differ)."""
+        words = f"B={self.batch} L={self.length} E={self.embed_dim} H={self.heads}"
+        words += f" Hkv={self.kv_heads}" if self.kv_heads else ""
+        return words + (f" Lq={self.lq}" if self.lq != self.length else "")
+
+
+class Sweep(NamedTuple):
+    """A target over several cases (shortest first), e.g. decode step time flat in the cached length."""
+
+    name: str
+    cases: tuple[str, ...]
+    subject: str
+    target: Target
+
+
+class Suite(NamedTuple):
+    cases: list[Case]
+    sweeps: list[Sweep]
+
+    def only(self, text: str | None) -> Suite:
+        """The cases whose name contains ``text`` (and the sweeps all of whose cases remain)."""
+        if not text:
+            return self
+        cases = [c for c in self.cases if text in c.name]
+        names = {c.name for c in cases}
+        return Suite(cases, [s for s in self.sweeps if set(s.cases) <= names])
+
+
+def flops(case: Case) -> float:
+    """FLOPs of one call of ``case`` (see the module docstring)."""
+    b, lq, lk, e, h = case.batch, case.lq, case.lk, case.embed_dim, case.heads
+    hkv, d = case.kv_heads or h, e // h
+    pairs = lq * lk - (lq * (lq - 1) // 2 if case.causal else 0)
+    attn = 4 * b * h * d * pairs
+    proj = 0 if case.level == "attention" else 2 * b * lq * e * (h * d + 2 * hkv * d) + 2 * b * lq * e * e
+    if case.mode == "train":
+        return 3 * proj + 3.5 * attn
+    return float(proj + attn)
+
+
+# ----------------------------------------------------------------------------------------------
+# Suites
+# ----------------------------------------------------------------------------------------------
+
+_PEERS = (row("torch"), row("naive"), row("keras"))
+DECODE_LENGTHS = (256, 512, 1024, 2048, 4096, 8192)
+
+
+def _decode_cases(quick: bool) -> tuple[list[Case], Sweep]:
+    """One MultiHeadAttention decoding step (KV cache, causal) vs its bare work, over cached lengths."""
+    lengths, e = ((16, 64), 32) if quick else (DECODE_LENGTHS, 512)
+    cases = [
+        Case(f"decode step, cached {n}", 1, n, e, 8, query_length=1, causal=True, level="decode",
+             measure_memory=False, steps=2 if quick else 16, yardstick=False, runs=(row(OURS), row("bare")),
+             targets=(Target("time", "bare", "<=", 1.3),) if n == 4096 else ())
+        for n in lengths
+    ]  # fmt: skip
+    sweep = Sweep("decode step / bare work, flat in length", tuple(c.name for c in cases), OURS,
+                  Target("growth", "bare", "<=", 1.25))  # fmt: skip
+    return cases, sweep
+
+
+def cpu_suite(quick: bool = False) -> Suite:
+    """The CPU cases (tiny shapes with ``quick``: the smoke test runs them in a few seconds)."""
+
+    def s(b: int, n: int) -> tuple[int, int]:
+        return (2, 8) if quick else (b, n)
+
+    e = 32 if quick else 512
+    cases = [
+        Case("self-attention forward", *s(8, 512), e, 8, runs=(row(OURS), *_PEERS),
+             targets=(Target("speedup", "torch", ">=", 1.5), Target("matmul", None, ">=", 0.85))),
+        Case("self-attention forward+backward", *s(8, 512), e, 8, mode="train", runs=(row(OURS), *_PEERS),
+             targets=(Target("speedup", "torch", ">=", 1.15), Target("matmul", None, ">=", 0.70))),
+        Case("forward returning weights", *s(8, 512), e, 8, mode="weights",
+             runs=(row(OURS), row(OURS, mode="forward"), *_PEERS),
+             targets=(Target("time", f"{OURS}@mode=forward", "<=", 1.5), Target("speedup", "torch", ">=", 1.3))),
+        Case("causal forward", *s(2, 2048), e, 8, causal=True,
+             runs=(row(OURS), row(OURS, causal=False), row("torch"), row("naive")),
+             targets=(Target("time", f"{OURS}@causal=False", "<=", 0.65),)),
+        Case("seed shape forward", *((4, 5) if quick else (64, 5)), e, 8, runs=(row(OURS), *_PEERS),
+             targets=(Target("speedup", "torch", ">=", 1.0),)),
+        Case("grouped-query forward (8 q / 2 kv heads)", *s(1, 2048), e, 8, kv_heads=2,
+             runs=(row(OURS), row(OURS, kv_heads=8), row("torch")),
+             targets=(Target("speedup", f"{OURS}@kv_heads=8", ">=", 1.0),)),
+        Case("long forward, memory", *s(1, 64 if quick else 32768), e, 8, memory_only=True,
+             runs=(row(OURS), row("torch"), row("torch", mode="forward-train-module")),
+             targets=(Target("memory", "torch", "<=", 0.8),)),
+        Case("long forward+backward, memory", *s(1, 64 if quick else 8192), e, 8, mode="train",
+             memory_only=True, runs=(row(OURS), row("torch")), targets=(Target("memory", "torch", "<=", 1.0),)),
+    ]  # fmt: skip
+    decode, sweep = _decode_cases(quick)
+    ring = Case("ring attention, one rank", 1, 64 if quick else 4096, 16 if quick else 512, 8, causal=True,
+                mode="train", level="attention", own_process=True, subject="ring",
+                runs=(row("ring"), row(OURS)),
+                targets=(Target("time", OURS, "<=", 1.3), Target("memory", OURS, "<=", 1.5)))  # fmt: skip
+    return Suite([*cases, *decode, ring], [sweep])
+
+
+def cuda_suite(quick: bool = False) -> Suite:
+    """The flash-attention benchmark's shapes (B*L = 16k, bf16) plus the module cases, on CUDA."""
+    cases = []
+    lengths = (128, 256) if quick else (512, 1024, 2048, 4096, 8192, 16384)
+    for d in (64, 128):
+        for causal in (False, True):
+            for n in lengths:
+                for mode in ("forward", "train"):
+                    cases.append(
+                        Case(f"attention L={n} D={d}{' causal' if causal else ''} {mode}", 16384 // n, n,
+                             2048, 2048 // d, causal=causal, mode=mode, level="attention", dtype="bfloat16",
+                             runs=(row(OURS), row("sdpa"), row("naive")))
+                    )  # fmt: skip
+    module = {"self-attention forward", "self-attention forward+backward"}
+    cases += [
+        replace(c, dtype="bfloat16", name=c.name + " bf16", targets=())
+        for c in cpu_suite(quick).cases
+        if c.name in module
+    ]
+    decode, sweep = _decode_cases(quick)
+    return Suite(cases + decode, [sweep])

@@ -1,0 +1,324 @@
+"""The contenders: for each (name, level) a builder that turns a case into a zero-argument step.
+
+Dimensions: B batch, L sequence length (the cached length when decoding), E embed_dim, H query heads,
+Hkv key/value heads, D = E // H head dim.
+
+A :class:`Step` is one call (forward, or forward + backward in ``"train"`` mode) with its inputs held by
+the closure, plus an optional untimed ``prepare`` the harness runs before each timed call (a decoding
+step puts its cache back to the case's length there). Contenders (:data:`CONTENDERS`):
+
+* ``multihead``: :class:`multihead.MultiHeadAttention` (module), :func:`multihead.attention`
+  (attention), or one decoding step with a :class:`multihead.KVCache` (decode);
+* ``torch``: ``torch.nn.MultiheadAttention`` (its native fast path in eval under no grad);
+* ``naive``: the seed notebooks' attention (three ``Linear``s, matmul, softmax, matmul);
+* ``keras``: ``keras.layers.MultiHeadAttention`` on the torch backend (optional);
+* ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` (attention);
+* ``bare``: the bare work of a decoding step: QKV projection of the new token, its keys/values written
+  into one preallocated buffer, fused attention over the buffer, output projection;
+* ``ring``: :func:`multihead.distributed.ring_attention` (needs a process group: the case runs in its
+  own process through :func:`multihead.distributed.launch`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..core.attention import attention
+from ..nn.attention import MultiHeadAttention, merge_heads, split_heads
+from ..nn.cache import KVCache
+from .cases import Case
+
+__all__ = ["CONTENDERS", "Contender", "NaiveMHA", "Step", "build", "matmul_step", "naive_attention"]
+
+
+class Step(NamedTuple):
+    """``run()``: one timed call. ``prepare()``: untimed, before every call (None: nothing to do)."""
+
+    run: Callable[[], object]
+    prepare: Callable[[], None] | None = None
+
+
+class Contender(NamedTuple):
+    """How to build a contender's step for a case, and whether it holds the (B, H, Lq, Lk) scores."""
+
+    build: Callable[[Case, torch.device], Step]
+    holds_scores: Callable[[Case, torch.device], bool]
+
+
+def build(name: str, case: Case, device: torch.device) -> Step:
+    """The step of contender ``name`` on ``case`` (raises ``ValueError`` for an unknown pair)."""
+    contender = CONTENDERS.get((name, case.level))
+    if contender is None:
+        known = sorted(n for n, level in CONTENDERS if level == case.level)
+        raise ValueError(f"no contender {name!r} at level {case.level!r}; known there: {known}")
+    return contender.build(case, device)
+
+
+def matmul_step(device: torch.device, n: int) -> Step:
+    """The yardstick: an (n, n) @ (n, n) fp32 matmul, ``2*n**3`` FLOPs."""
+    a, b = (torch.randn(n, n, device=device) for _ in range(2))
+    return Step(lambda: a @ b)
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared pieces
+# ----------------------------------------------------------------------------------------------
+
+
+def _factory(case: Case, device: torch.device) -> dict[str, object]:
+    return {"device": device, "dtype": getattr(torch, case.dtype)}
+
+
+def _first(out: object) -> Tensor:
+    return out[0] if isinstance(out, tuple) else out  # type: ignore[return-value]
+
+
+def _step(fn: Callable[[], object], case: Case, grads: list[Tensor]) -> Step:
+    """``fn`` under no grad, or (``"train"``) forward + backward of the output's sum."""
+    if case.mode != "train":
+
+        def forward() -> object:
+            with torch.no_grad():
+                return fn()
+
+        return Step(forward)
+
+    def train() -> None:
+        for t in grads:
+            t.grad = None
+        _first(fn()).float().sum().backward()
+
+    return Step(train)
+
+
+def _module_input(case: Case, device: torch.device) -> Tensor:
+    torch.manual_seed(0)
+    return torch.randn(
+        case.batch,
+        case.length,
+        case.embed_dim,
+        **_factory(case, device),  # type: ignore[arg-type]
+        requires_grad=case.mode == "train",
+    )  # fmt: skip  (B, L, E)
+
+
+def _qkv(case: Case, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """q (B, H, L, D), k and v (B, Hkv, L, D), requiring grad in ``"train"`` mode."""
+    b, n, h = case.batch, case.length, case.heads
+    hkv, d = case.kv_heads or h, case.embed_dim // h
+    torch.manual_seed(0)
+    grad, fac = case.mode == "train", _factory(case, device)
+    q = torch.randn(b, h, n, d, **fac, requires_grad=grad)  # type: ignore[arg-type]
+    k, v = (torch.randn(b, hkv, n, d, **fac, requires_grad=grad) for _ in range(2))  # type: ignore[arg-type]
+    return q, k, v
+
+
+def _module(mod: nn.Module, case: Case, x: Tensor, fn: Callable[[], object]) -> Step:
+    mod.train(case.mode in ("train", "forward-train-module"))
+    return _step(fn, case, [x, *mod.parameters()])
+
+
+def _never(case: Case, device: torch.device) -> bool:
+    return False
+
+
+def _always(case: Case, device: torch.device) -> bool:
+    return True
+
+
+def _when_weights(case: Case, device: torch.device) -> bool:
+    return case.mode == "weights"
+
+
+# ----------------------------------------------------------------------------------------------
+# Module level: input (B, L, E)
+# ----------------------------------------------------------------------------------------------
+
+
+def _ours_module(case: Case, device: torch.device) -> Step:
+    x = _module_input(case, device)
+    mod = MultiHeadAttention(case.embed_dim, case.heads, kv_heads=case.kv_heads, **_factory(case, device))  # type: ignore[arg-type]
+    weights = case.mode == "weights"
+    return _module(mod, case, x, lambda: mod(x, causal=case.causal, return_weights=weights))
+
+
+def _torch_module(case: Case, device: torch.device) -> Step:
+    if case.kv_heads not in (None, case.heads):
+        raise RuntimeError("torch.nn.MultiheadAttention has no grouped-query heads")
+    x = _module_input(case, device)
+    n = case.length
+    mod = nn.MultiheadAttention(case.embed_dim, case.heads, batch_first=True, **_factory(case, device))  # type: ignore[arg-type]
+    mask = torch.ones(n, n, dtype=torch.bool, device=device).triu(1) if case.causal else None  # True = masked
+    need = case.mode == "weights"
+    return _module(
+        mod, case, x, lambda: mod(x, x, x, need_weights=need, attn_mask=mask, is_causal=case.causal)[0]
+    )
+
+
+def _torch_holds_scores(case: Case, device: torch.device) -> bool:
+    """torch's native fast path (eval, no grad, CPU) and its weights path hold (B, H, L, L)."""
+    return case.mode == "weights" or (case.mode == "forward" and device.type == "cpu")
+
+
+class NaiveMHA(nn.Module):
+    """The seed notebooks' multi-head attention: three projections, matmul, softmax, matmul."""
+
+    def __init__(self, e: int, h: int, **factory: object) -> None:
+        super().__init__()
+        self.h = h
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(e, e, **factory) for _ in range(4))  # type: ignore[arg-type]
+
+    def forward(self, x: Tensor, causal: bool = False) -> Tensor:
+        q, k, v = (split_heads(w(x), self.h) for w in (self.wq, self.wk, self.wv))  # (B, H, L, D)
+        return self.wo(merge_heads(naive_attention(q, k, v, causal)))  # (B, L, E)
+
+
+def naive_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
+    """softmax(q k^T / sqrt(D)) v with repeated K/V: q (B, H, L, D), k/v (B, Hkv, L, D) -> (B, H, L, D)."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)  # (B, H, L, D)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, L, L)
+    if causal:
+        n = q.shape[2]
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), -math.inf)
+    return torch.softmax(scores, dim=-1) @ v  # (B, H, L, D)
+
+
+def _naive_module(case: Case, device: torch.device) -> Step:
+    x = _module_input(case, device)
+    mod = NaiveMHA(case.embed_dim, case.heads, **_factory(case, device))
+    return _module(mod, case, x, lambda: mod(x, case.causal))
+
+
+def _keras_module(case: Case, device: torch.device) -> Step:
+    os.environ.setdefault("KERAS_BACKEND", "torch")
+    import keras  # noqa: PLC0415  (optional peer: only this contender needs it)
+
+    if keras.backend.backend() != "torch":
+        raise RuntimeError(f"keras runs on the {keras.backend.backend()} backend, not torch")
+    x = _module_input(case, device)
+    layer = keras.layers.MultiHeadAttention(num_heads=case.heads, key_dim=case.embed_dim // case.heads)
+    training = case.mode == "train"
+    return _step(lambda: layer(x, x, use_causal_mask=case.causal, training=training), case, [x])
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention level: q (B, H, L, D), k/v (B, Hkv, L, D)
+# ----------------------------------------------------------------------------------------------
+
+
+def _ours_attention(case: Case, device: torch.device) -> Step:
+    q, k, v = _qkv(case, device)
+    return _step(lambda: attention(q, k, v, causal=case.causal), case, [q, k, v])
+
+
+def _sdpa_attention(case: Case, device: torch.device) -> Step:
+    q, k, v = _qkv(case, device)
+    gqa = k.shape[1] != q.shape[1]
+    return _step(
+        lambda: F.scaled_dot_product_attention(q, k, v, is_causal=case.causal, enable_gqa=gqa),
+        case,
+        [q, k, v],
+    )
+
+
+def _naive_attention(case: Case, device: torch.device) -> Step:
+    q, k, v = _qkv(case, device)
+    return _step(lambda: naive_attention(q, k, v, case.causal), case, [q, k, v])
+
+
+def _ring_attention(case: Case, device: torch.device) -> Step:
+    from ..distributed import ring_attention  # noqa: PLC0415  (tools may use distributed; only this needs it)
+
+    q, k, v = _qkv(case, device)
+    return _step(lambda: ring_attention(q, k, v, causal=case.causal), case, [q, k, v])
+
+
+# ----------------------------------------------------------------------------------------------
+# Decode level: one step of Lq new tokens (B, Lq, E) against L cached keys/values
+# ----------------------------------------------------------------------------------------------
+
+
+def _decode_inputs(case: Case, device: torch.device) -> tuple[MultiHeadAttention, Tensor, Tensor, Tensor]:
+    """The module, the new tokens x (B, Lq, E) and the cached keys k0 / values v0 (B, Hkv, L, D)."""
+    fac = _factory(case, device)
+    torch.manual_seed(0)
+    mod = MultiHeadAttention(case.embed_dim, case.heads, kv_heads=case.kv_heads, **fac).eval()  # type: ignore[arg-type]
+    x = torch.randn(case.batch, case.lq, case.embed_dim, **fac)  # type: ignore[arg-type]  (B, Lq, E)
+    shape = (case.batch, mod.kv_heads, case.length, mod.head_dim)
+    k0, v0 = (torch.randn(shape, **fac) for _ in range(2))  # type: ignore[arg-type]  (B, Hkv, L, D)
+    return mod, x, k0, v0
+
+
+def _ours_decode(case: Case, device: torch.device) -> Step:
+    """``case.steps`` calls ``mha(x, cache=cache, causal=True)``, the cache put back to L positions first."""
+    mod, x, k0, v0 = _decode_inputs(case, device)
+    cache = KVCache()
+
+    def refill() -> None:
+        if len(cache) != case.length:
+            cache.reset()
+            cache.update(k0, v0)  # (B, Hkv, L, D)
+
+    def step() -> Tensor:
+        with torch.no_grad():
+            for _ in range(case.steps):
+                out = mod(x, cache=cache, causal=case.causal)  # (B, Lq, E)
+        return out
+
+    return Step(step, refill)
+
+
+def _bare_decode(case: Case, device: torch.device) -> Step:
+    """The same steps' unavoidable work: the projections, a write into a buffer, fused attention."""
+    mod, x, k0, v0 = _decode_inputs(case, device)
+    n, lq, steps = case.length, case.lq, case.steps
+    h, hkv = mod.num_heads, mod.kv_heads
+    shape = (k0.shape[0], hkv, n + steps * lq, k0.shape[3])
+    kbuf = torch.empty(shape, dtype=k0.dtype, device=device)  # (B, Hkv, L + steps*Lq, D)
+    vbuf = torch.empty_like(kbuf)  # (B, Hkv, L + steps*Lq, D)
+    kbuf[:, :, :n], vbuf[:, :, :n] = k0, v0
+    w, bias = mod.in_proj_weight, mod.in_proj_bias
+    sizes = [h * mod.head_dim, hkv * mod.head_dim, hkv * mod.v_head_dim]  # rows of q, k, v in in_proj
+    causal = case.causal and lq > 1  # one new query sees every key: no mask to apply
+
+    def step() -> Tensor:
+        with torch.no_grad():
+            for i in range(steps):
+                end = n + (i + 1) * lq
+                q, k, v = F.linear(x, w, bias).split(sizes, dim=-1)  # (B, Lq, H*D), (B, Lq, Hkv*D) x2
+                kbuf[:, :, end - lq : end] = split_heads(k, hkv)  # (B, Hkv, Lq, D)
+                vbuf[:, :, end - lq : end] = split_heads(v, hkv)  # (B, Hkv, Lq, D)
+                heads = F.scaled_dot_product_attention(
+                    split_heads(q, h),
+                    kbuf[:, :, :end],
+                    vbuf[:, :, :end],
+                    is_causal=causal,
+                    enable_gqa=h != hkv,
+                )  # (B, H, Lq, D)
+                out = mod.out_proj(merge_heads(heads))  # (B, Lq, E)
+        return out
+
+    return Step(step)
+
+
+CONTENDERS: dict[tuple[str, str], Contender] = {
+    ("multihead", "module"): Contender(_ours_module, _when_weights),
+    ("torch", "module"): Contender(_torch_module, _torch_holds_scores),
+    ("naive", "module"): Contender(_naive_module, _always),
+    ("keras", "module"): Contender(_keras_module, _always),
+    ("multihead", "attention"): Contender(_ours_attention, _when_weights),
+    ("sdpa", "attention"): Contender(_sdpa_attention, _never),
+    ("naive", "attention"): Contender(_naive_attention, _always),
+    ("ring", "attention"): Contender(_ring_attention, _never),
+    ("multihead", "decode"): Contender(_ours_decode, _never),
+    ("bare", "decode"): Contender(_bare_decode, _never),
+}
+"""(contender name, case level) -> how to build its step; the names rows of a case refer to."""

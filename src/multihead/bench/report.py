@@ -1,0 +1,229 @@
+"""A run's report as JSON, markdown tables and a PNG chart (``DIR/<stem>.json|.md|.png``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from pathlib import Path
+
+from .cases import Case, Run, Sweep
+from .records import Check, Result
+from .runner import CaseRecord, Report
+from .stats import Spread, per_round_ratio
+from .targets import Target
+
+__all__ = ["chart", "load", "markdown", "to_json", "write"]
+
+
+def to_json(obj: object) -> object:
+    """``obj`` as JSON-able data: dataclasses and NamedTuples become dicts, tuples lists."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        data = {f.name: to_json(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        if isinstance(obj, Check):
+            data["verdict"] = obj.verdict
+        return data
+    if isinstance(obj, tuple) and hasattr(obj, "_asdict"):
+        return {k: to_json(v) for k, v in obj._asdict().items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_json(v) for v in obj]
+    if isinstance(obj, dict):
+        return {str(k): to_json(v) for k, v in obj.items()}
+    return obj
+
+
+def _f(x: float | None, spec: str) -> str:
+    return "" if x is None else format(x, spec)
+
+
+def _case_rows(rec: CaseRecord, unit_scale: float) -> list[str]:
+    case, rows = rec.case, []
+    for label, r in rec.results.items():
+        head = f"{case.name} ({case.shape()}, {case.mode}, {case.dtype})" if label == case.subject else ""
+        if not r.ok or r.time_s is None:
+            rows.append(f"| {head} | {label} | {r.status} | | | | |")
+            continue
+        t = r.time_s.scaled(1e3)
+        time_ms = f"{t.median:.3g}" if t.n == 1 else t.words(".3g")
+        ratio = (
+            r.time_vs_subject.words(".2f", "x")
+            if r.time_vs_subject and r.time_vs_subject.n > 1
+            else (_f(r.time_vs_subject.median if r.time_vs_subject else None, ".2f") + "x")
+        )
+        of_mm = r.of_matmul.words(".0%") if r.of_matmul else ""
+        rows.append(
+            f"| {head} | {label} | {time_ms} | {_f((r.gflops or 0) * unit_scale, '.1f')} | {of_mm} | {ratio} "
+            f"| {_f(r.peak_memory_mib, '.0f')} |"
+        )
+    return rows
+
+
+def _sweep_tables(report: Report) -> list[str]:
+    """One table per sweep: the subject's and the peer's times per case, and their per-round ratio."""
+    lines: list[str] = []
+    by_name = {rec.case.name: rec for rec in report.cases}
+    for check, sweep in zip(report.sweeps, report.sweep_defs, strict=True):
+        subject, peer = sweep.subject, sweep.target.peer or ""
+        lines += ["", f"{sweep.name}: {check.target}.", ""]
+        lines += [f"| case | {subject} ms [IQR] | {peer} ms [IQR] | {subject} / {peer} [IQR] |"]
+        lines += ["| --- | ---: | ---: | ---: |"]
+        for name in sweep.cases:
+            rec = by_name.get(name)
+            ours, theirs = (rec.results.get(subject), rec.results.get(peer)) if rec else (None, None)
+            if not (ours and theirs and ours.times_s and theirs.times_s and ours.time_s and theirs.time_s):
+                lines.append(f"| {name} | | | |")
+                continue
+            ratio = per_round_ratio(ours.times_s, theirs.times_s)
+            lines.append(
+                f"| {name} | {ours.time_s.scaled(1e3).words('.3f')} | {theirs.time_s.scaled(1e3).words('.3f')} "
+                f"| {ratio.words('.2f', 'x')} |"
+            )
+    return lines
+
+
+def markdown(report: Report) -> str:
+    """The report as markdown: one table of contenders per case, then the targets with their spread."""
+    unit, scale = ("TFLOP/s", 1e-3) if report.device.startswith("cuda") else ("GFLOP/s", 1.0)
+    s = report.settings
+    lines = [
+        f"Device {report.device} ({report.device_name}), torch {report.torch}, {report.threads} threads, "
+        f"{report.date}. Each case: {s['warmup']} warm-up rounds, then {s['min_rounds']}-{s['max_rounds']} "
+        f"interleaved rounds (as many as fit in {s['budget_s']:g} s). Times are medians with the "
+        f"interquartile range [q1, q3] of the rounds; ratios are per round (both contenders in the same "
+        f"round), median [IQR]. Memory-only cases: one call each.",
+        "",
+        f"| case | contender | ms, median [IQR] | {unit} | of matmul [IQR] | time / subject [IQR] | peak MiB |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for rec in report.cases:
+        lines += _case_rows(rec, scale)
+    lines += _sweep_tables(report)
+    checks = [(rec.case.name, c) for rec in report.cases for c in rec.checks]
+    checks += [("(sweep)", c) for c in report.sweeps]
+    if checks:
+        lines += [
+            "",
+            "Targets: `met` compares the median with the bound; `within spread` means the IQR crosses it.",
+            "",
+            "| case | target | measured, median [IQR] | met |",
+            "| --- | --- | ---: | :---: |",
+        ]
+        for name, c in checks:
+            value = (
+                ""
+                if c.value is None
+                else (c.value.words(".3f") if c.value.n > 1 else f"{c.value.median:.3f}")
+            )
+            lines.append(f"| {name} | {c.target} | {value} | {c.verdict} |")
+    return "\n".join(lines) + "\n"
+
+
+def _decode_points(report: Report) -> list[tuple[int, dict[str, tuple[float, float, float]]]]:
+    """(cached length, {label: (median, q1, q3) ms}) of every decode case."""
+    points = []
+    for rec in report.cases:
+        if rec.case.level == "decode":
+            ms = {lab: r.time_s.scaled(1e3) for lab, r in rec.results.items() if r.ok and r.time_s}
+            points.append((rec.case.length, {lab: (t.median, t.q1, t.q3) for lab, t in ms.items()}))
+    return points
+
+
+def chart(report: Report, path: Path) -> None:
+    """Left: every timed case's GFLOP/s per contender. Right: decode step time vs cached length."""
+    import matplotlib  # noqa: PLC0415  (optional, only for the chart)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    cases = [r for r in report.cases if not r.case.memory_only and r.case.level != "decode"]
+    decode = _decode_points(report)
+    fig, axes = plt.subplots(1, 2 if decode else 1, figsize=(15 if decode else 10, 5), squeeze=False,
+                             gridspec_kw={"width_ratios": [2.2, 1] if decode else [1]})  # fmt: skip
+    ax = axes[0][0]
+    labels = sorted(
+        {lab for r in cases for lab in r.results}, key=lambda s: (not s.startswith("multihead"), s)
+    )
+    width = 0.8 / max(1, len(labels))
+    for j, lab in enumerate(labels):
+        ys = [r.results[lab].gflops or 0.0 if lab in r.results else 0.0 for r in cases]
+        ax.bar([i + j * width for i in range(len(cases))], ys, width, label=lab)
+    rates = [r.matmul_gflops.median for r in cases if r.matmul_gflops]
+    if rates:
+        ax.axhline(statistics.median(rates), color="k", ls="--", lw=1, label="matmul yardstick")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))])
+    ax.set_xticklabels([r.case.name.replace(" ", "\n", 2) for r in cases], fontsize=7)
+    ax.set_ylabel("GFLOP/s (higher is better)")
+    ax.set_title(f"attention on {report.device} ({report.threads} threads, torch {report.torch})", fontsize=9)
+    if labels or rates:
+        ax.legend(fontsize=7, ncol=2)
+    if decode:
+        ax = axes[0][1]
+        lengths = [n for n, _ in decode]
+        for lab in sorted({lab for _, d in decode for lab in d}):
+            pts = [(n, d[lab]) for n, d in decode if lab in d]
+            xs, (med, lo, hi) = [n for n, _ in pts], zip(*(v for _, v in pts), strict=True)
+            err = [
+                [m - a for m, a in zip(med, lo, strict=True)],
+                [b - m for m, b in zip(med, hi, strict=True)],
+            ]
+            ax.errorbar(xs, med, yerr=err, marker="o", capsize=3, label=lab)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(lengths, [str(n) for n in lengths])
+        ax.set_xlabel("cached length")
+        ax.set_ylabel("ms per decoding step (median, IQR bars)")
+        ax.set_title("one decoding step vs its bare work", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(report: Report, out: Path, stem: str) -> list[Path]:
+    """Write ``stem``.json / .md / .png under ``out``; returns the paths (no PNG without matplotlib)."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"{stem}.json", out / f"{stem}.md", out / f"{stem}.png"]
+    paths[0].write_text(json.dumps(to_json(report), indent=1) + "\n")
+    paths[1].write_text(markdown(report))
+    try:
+        chart(report, paths[2])
+    except ImportError:
+        paths.pop()
+    return paths
+
+
+def _spread(d: dict | None) -> Spread | None:
+    return None if d is None else Spread(**d)
+
+
+def _case(d: dict) -> Case:
+    runs = tuple(Run(r["label"], r["contender"], tuple(tuple(c) for c in r["changes"])) for r in d["runs"])
+    return Case(**{**d, "runs": runs, "targets": tuple(Target(**t) for t in d["targets"])})
+
+
+def _check(d: dict) -> Check:
+    return Check(d["target"], _spread(d["value"]), d["met"], d["clear"])
+
+
+def load(path: Path) -> Report:
+    """The :class:`Report` a ``.json`` written by :func:`write` holds (to re-render its tables/chart)."""
+    data = json.loads(Path(path).read_text())
+    spreads = ("time_s", "of_matmul", "time_vs_subject")
+    cases = [
+        CaseRecord(
+            _case(rec["case"]),
+            rec["flops"],
+            _spread(rec["matmul_gflops"]),
+            {
+                lab: Result(**{**r, **{k: _spread(r[k]) for k in spreads}})
+                for lab, r in rec["results"].items()
+            },
+            [_check(c) for c in rec["checks"]],
+        )
+        for rec in data["cases"]
+    ]
+    sweep_defs = [
+        Sweep(s["name"], tuple(s["cases"]), s["subject"], Target(**s["target"])) for s in data["sweep_defs"]
+    ]
+    rest = {k: v for k, v in data.items() if k not in ("cases", "sweeps", "sweep_defs")}
+    return Report(**rest, cases=cases, sweeps=[_check(c) for c in data["sweeps"]], sweep_defs=sweep_defs)

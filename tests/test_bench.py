@@ -1,0 +1,227 @@
+"""The benchmark harness (``multihead bench``): smoke run, FLOP counts, statistics, targets, contenders.
+
+Dimensions: B batch, L (cached) length, Lq/Lk query/key lengths, E embed dim, H heads, Hkv kv heads.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import multihead as mh
+from multihead import cli
+from multihead.bench import Case, Result, Settings, Spread, Target, cpu_suite, cuda_suite, flops, row
+from multihead.bench.contenders import CONTENDERS, build
+from multihead.bench.report import load, markdown
+from multihead.bench.runner import _measure_in_own_process
+from multihead.bench.stats import per_round_ratio, spread
+from multihead.bench.targets import describe, evaluate, evaluate_growth
+
+# ----------------------------------------------------------------------------------------------
+# The whole quick suite, through the CLI (the ring case runs in its own process via launch)
+# ----------------------------------------------------------------------------------------------
+
+
+def test_bench_quick_smoke(tmp_path, capsys):
+    assert cli.main(["bench", "--quick", "--no-progress", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "cpu-quick.json").read_text())
+    suite = cpu_suite(quick=True)
+    assert report["quick"] and [c["case"]["name"] for c in report["cases"]] == [c.name for c in suite.cases]
+    for rec in report["cases"]:
+        case = rec["case"]
+        ours = rec["results"][case["subject"]]
+        assert ours["status"] == "ok", case["name"]
+        assert ours["time_s"]["median"] > 0 and ours["time_s"]["q1"] <= ours["time_s"]["q3"]
+        assert len(rec["checks"]) == len(case["targets"])
+        if not case["memory_only"]:
+            assert ours["time_vs_subject"]["median"] == 1.0
+    ring = next(r for r in report["cases"] if r["case"]["own_process"])
+    assert all(r["peak_memory_mib"] is not None for r in ring["results"].values())  # measured in the child
+    assert len(report["sweeps"]) == 1 and report["sweeps"][0]["value"] is not None
+    md = (tmp_path / "cpu-quick.md").read_text()
+    assert "| case | contender |" in md and "| case | target |" in md and "[" in md
+    assert markdown(load(tmp_path / "cpu-quick.json")) == md  # the JSON holds the whole report
+    assert (tmp_path / "cpu-quick.png").stat().st_size > 1000
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_bench_memory_case_in_its_own_process():
+    """What the fresh process runs for a CPU memory case gives a full record (here in this process)."""
+    (case,) = [c for c in cpu_suite(quick=True).cases if c.memory_only and c.mode == "train"]
+    record = _measure_in_own_process(case, Settings(warmup=0, min_rounds=1, max_rounds=1, matmul_n=64))
+    assert set(record.results) == {r.label for r in case.runs}
+    ours = record.results[case.subject]
+    assert ours.ok and ours.peak_memory_mib is not None and ours.time_s.median > 0
+    assert [c.target for c in record.checks] == [describe(t, case.subject) for t in case.targets]
+
+
+def test_only_filters_cases_and_refuses_an_unknown_name(capsys):
+    suite = cpu_suite(quick=True)
+    decode = suite.only("decode")
+    assert decode.cases and all("decode" in c.name for c in decode.cases) and len(decode.sweeps) == 1
+    assert suite.only("causal").sweeps == []  # the sweep needs every decode case
+    assert cli.main(["bench", "--quick", "--only", "no such case"]) == 2
+    assert "no case name contains" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------
+# FLOPs: the formula against torch's own count of the matmuls a call runs
+# ----------------------------------------------------------------------------------------------
+
+
+def _counted(fn) -> int:
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def _visible(lq: int, lk: int, causal: bool) -> float:
+    """Fraction of (query, key) pairs a mask leaves, by enumerating it (bottom-right causal)."""
+    keep = torch.ones(lq, lk, dtype=torch.bool)
+    return float((keep.tril(lk - lq) if causal else keep).float().mean())
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("kv_heads", [None, 2], ids=["mha", "gqa"])
+def test_bench_flops_formula(kv_heads, causal):
+    """flops() equals what FlopCounterMode counts on the math backend's actual call (matmuls only).
+
+    The counter sees every score computed, masked or not; the formula counts the visible pairs, so the
+    counted attention is scaled by the mask's visible fraction, counted from the mask itself. Backward:
+    the counter sees 2 matmuls per forward matmul; the formula adds flash-attention's recomputation of
+    the scores (0.5x the forward attention).
+    """
+    b, n, e, h = 2, 7, 32, 4
+    torch.manual_seed(0)
+    mod = mh.MultiHeadAttention(e, h, kv_heads=kv_heads)
+    mod.backend = "math"  # plain matmuls, which the counter knows (the CPU flash kernel it does not)
+    x = torch.randn(b, n, e, requires_grad=True)
+    q, k, v = (t.detach() for t in mod.project(x, x, x))  # (B, H, L, D), (B, Hkv, L, D) x2
+    attn = _counted(lambda: mh.attention(q, k, v, backend="math")) * _visible(n, n, causal)
+    proj = _counted(lambda: mod(x, causal=causal)) - _counted(lambda: mh.attention(q, k, v, backend="math"))
+    case = Case("x", b, n, e, h, kv_heads=kv_heads, causal=causal)
+    assert flops(case) == pytest.approx(proj + attn)
+    assert flops(Case("x", b, n, e, h, kv_heads=kv_heads, causal=causal, level="attention")) == pytest.approx(
+        attn
+    )
+    train = _counted(lambda: mod(x, causal=causal).sum().backward())
+    expected = train - 3 * _counted(lambda: mh.attention(q, k, v, backend="math")) + 3.5 * attn
+    assert flops(Case("x", b, n, e, h, kv_heads=kv_heads, causal=causal, mode="train")) == pytest.approx(
+        expected
+    )
+
+
+def test_bench_flops_of_a_decoding_step():
+    """One new token against L cached keys: the step's counted matmuls (projections of one token)."""
+    b, n, e, h = 1, 9, 32, 4
+    mod = mh.MultiHeadAttention(e, h)
+    mod.backend = "math"
+    cache = mh.KVCache()
+    cache.update(torch.randn(b, h, n, e // h), torch.randn(b, h, n, e // h))  # (B, H, L, D) cached
+    x = torch.randn(b, 1, e)
+    with torch.no_grad():
+        counted = _counted(lambda: mod(x, cache=cache, causal=True))
+    case = Case("x", b, n, e, h, query_length=1, causal=True, level="decode")
+    assert case.lk == n + 1 and _visible(1, n + 1, True) == 1.0
+    assert flops(case) == counted
+
+
+# ----------------------------------------------------------------------------------------------
+# Statistics and targets
+# ----------------------------------------------------------------------------------------------
+
+
+def test_spread_and_per_round_ratio():
+    assert spread([5.0, 1.0, 3.0, 2.0, 4.0]) == Spread(3.0, 2.0, 4.0, 5)
+    assert spread([2.0]) == Spread(2.0, 2.0, 2.0, 1)
+    # per round: (2/1, 6/2, 4/4) = (2, 3, 1): the ratio of medians (4/2 = 2) would hide the spread
+    assert per_round_ratio([2.0, 6.0, 4.0], [1.0, 2.0, 4.0]) == Spread(2.0, 1.5, 2.5, 3)
+    with pytest.raises(ValueError, match="at least one round"):
+        spread([])
+
+
+def _ok(times, mem=None, of_matmul=None):
+    return Result("ok", list(times), spread(times), of_matmul=of_matmul, peak_memory_mib=mem)
+
+
+def test_targets_are_checked_by_code_and_printed_in_words():
+    results = {
+        "multihead": _ok([1.0, 1.0, 1.0, 1.0], mem=80.0, of_matmul=Spread(0.9, 0.88, 0.92, 4)),
+        "torch": _ok([2.0, 1.0, 1.6, 1.8], mem=100.0),
+        "torch@mode=forward-train-module": _ok([3.0, 3.0, 3.0, 3.0], mem=120.0),
+        "naive": Result("skipped: would hold (B, H, Lq, Lk) = 32.0 GiB"),
+    }
+    fast = evaluate(Target("speedup", "torch", ">=", 1.5), "multihead", results)
+    assert fast.target == "multihead >= 1.5x faster than torch"
+    assert (
+        fast.met and not fast.clear and fast.value.median == pytest.approx(1.7)
+    )  # per round: 2, 1, 1.6, 1.8
+    assert fast.value.q1 < 1.5 < fast.value.q3 and fast.verdict == "yes (within spread)"
+    slow = evaluate(Target("speedup", "torch", ">=", 2.5), "multihead", results)
+    assert slow.met is False and slow.clear and slow.verdict == "**no**"
+    # a contender name stands for its best run: the smaller peak memory of the two torch runs
+    mem = evaluate(Target("memory", "torch", "<=", 0.8), "multihead", results)
+    assert mem.value.median == pytest.approx(0.8) and mem.met and mem.target.endswith("torch's")
+    time = evaluate(Target("time", "torch@mode=forward-train-module", "<=", 0.5), "multihead", results)
+    assert time.value.median == pytest.approx(1 / 3) and time.met and time.clear
+    assert evaluate(Target("matmul", None, ">=", 0.85), "multihead", results).verdict == "yes"
+    # the plain torch run skipped (too big): its name still stands for the run that completed
+    results["torch"] = Result("skipped: would hold (B, H, Lq, Lk) = 32.0 GiB")
+    assert evaluate(Target("memory", "torch", "<=", 0.8), "multihead", results).value.median == pytest.approx(
+        80 / 120
+    )
+    assert evaluate(Target("speedup", "naive", ">=", 1.0), "multihead", results).verdict == "n/a"
+    with pytest.raises(ValueError, match="sweep"):
+        evaluate(Target("growth", "torch", "<=", 1.2), "multihead", results)
+
+
+def test_growth_over_a_sweep():
+    flat = [Spread(1.1, 1.0, 1.2, 9), Spread(1.05, 1.0, 1.1, 9), Spread(1.0, 0.95, 1.05, 9)]
+    copying = [Spread(1.1, 1.0, 1.2, 9), Spread(1.8, 1.7, 1.9, 9), Spread(3.3, 3.1, 3.5, 9)]
+    target = Target("growth", "bare", "<=", 1.25)
+    ok, bad = evaluate_growth(target, "multihead", flat), evaluate_growth(target, "multihead", copying)
+    assert ok.met and ok.value.median == pytest.approx(1.0 / 1.1)
+    assert bad.met is False and bad.clear and bad.value.q1 == pytest.approx(3.1 / 1.2)
+    assert evaluate_growth(target, "multihead", [None, flat[0]]).verdict == "n/a"
+
+
+# ----------------------------------------------------------------------------------------------
+# Contenders
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("suite", [cpu_suite, cuda_suite], ids=["cpu", "cuda"])
+def test_every_row_of_a_suite_has_a_contender(suite):
+    for quick in (True, False):
+        for case in suite(quick).cases:
+            assert case.subject in {r.label for r in case.runs}, case.name
+            for r in case.runs:
+                assert (r.contender, case.variant(r).level) in CONTENDERS, (case.name, r.label)
+
+
+def test_unknown_contender_names_the_known_ones():
+    with pytest.raises(ValueError, match=r"no contender 'sdpa' at level 'module'; known there: \['keras'"):
+        build("sdpa", Case("x", 1, 4, 16, 2), torch.device("cpu"))
+
+
+def test_row_labels_and_variants():
+    r = row("multihead", causal=False)
+    assert r.label == "multihead@causal=False"
+    case = Case("x", 1, 4, 16, 2, causal=True, runs=(row("multihead"), r))
+    assert case.variant(r).causal is False and case.variant(case.runs[0]) is case
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_decode_step_equals_its_bare_work_and_keeps_its_length(steps):
+    """The two decode contenders compute the same output, every round from the same cached length."""
+    case = Case("x", 2, 6, 32, 4, kv_heads=2, query_length=1, causal=True, level="decode", steps=steps)
+    cpu = torch.device("cpu")
+    ours, bare = build("multihead", case, cpu), build("bare", case, cpu)
+    for _ in range(3):
+        ours.prepare()
+        out = ours.run()
+        torch.testing.assert_close(out, bare.run())
+        assert out.shape == (2, 1, 32)

@@ -482,6 +482,24 @@ def test_flash_attention_refuses_scores_like_keras():
     for args in ((q, v), (keras.Input((T, E)), keras.Input((S, E)))):  # eager and symbolic
         with pytest.raises(ValueError, match="return_attention_scores.*flash_attention"):
             layer(*args, return_attention_scores=True)
+    ref = keras.layers.MultiHeadAttention(num_heads=2, key_dim=3, flash_attention=True)
+    ref.build(q.shape, v.shape)
+    layer.set_weights(ref.get_weights())
+    if (
+        BACKEND == "torch"
+    ):  # the fused kernel is multihead.attention's choice (Keras's torch path refuses on CPU)
+        plain = mk.MultiHeadAttention(num_heads=2, key_dim=3)
+        plain.build(q.shape, v.shape)
+        plain.set_weights(ref.get_weights())
+        _close(layer(q, v), plain(q, v))
+        return
+    try:  # elsewhere Keras's own flash kernel runs: ours works exactly where Keras's does
+        expected = ref(q, v)
+    except Exception as e:
+        with pytest.raises(type(e)):
+            layer(q, v)
+    else:
+        _close(layer(q, v), expected)
 
 
 def test_causal_with_several_attention_axes_is_refused():

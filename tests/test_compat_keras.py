@@ -371,13 +371,12 @@ def test_subclass_overriding_compute_attention_works_unchanged(impl):
     c_ours.set_weights(c_ref.get_weights())
     cache = np.zeros((B, 2, S, 2, 3), "float32")
     step = ops.convert_to_tensor(np.tril(np.ones((S, S), bool))[None, 1:2])  # query 1 sees keys 0..1
-    for layer_pair in [(c_ref, c_ours)]:
-        outs = [
-            layer(x[:, 1:2], x[:, 1:2], attention_mask=step, cache=cache, cache_update_index=1)
-            for layer in layer_pair
-        ]
-        _close(outs[1][0], outs[0][0])
-        _close(outs[1][1], outs[0][1])
+    (r_out, r_cache), (o_out, o_cache) = (
+        layer(x[:, 1:2], x[:, 1:2], attention_mask=step, cache=cache, cache_update_index=1)
+        for layer in (c_ref, c_ours)
+    )
+    _close(o_out, r_out)
+    _close(o_cache, r_cache)
 
 
 def test_enable_lora_trains_only_adapters_and_reloads(tmp_path):

@@ -388,9 +388,12 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         """Softmax over the key axes; masked keys get 0, and so does every key of a fully masked query."""
         if attention_mask is None:
             return self._softmax(attention_scores)
-        mask = _expand_mask(attention_mask, len(attention_scores.shape), len(self._attention_axes))
+        mask = ops.cast(attention_mask, "bool")
+        mask = _expand_mask(mask, len(attention_scores.shape), len(self._attention_axes))
         probs = self._softmax(attention_scores, mask=mask)
-        return ops.where(mask, probs, ops.zeros_like(probs))  # Keras < 3.15 left fully masked rows uniform
+        # Keras 3.15's Softmax zeroes masked keys itself; explicit here, so the documented zeros for a
+        # fully masked query do not depend on the Keras version
+        return ops.where(mask, probs, ops.zeros_like(probs))
 
     def _compute_attention(
         self,

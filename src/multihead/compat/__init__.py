@@ -5,7 +5,8 @@
 * :mod:`multihead.compat.d2l` -- ``MultiHeadAttention`` with the d2l book's signature and ``valid_lens``.
 
 Import the submodule you need; this package imports none of them (so ``import multihead`` never
-imports Keras).
+imports Keras), and neither it nor :mod:`multihead.compat.keras` imports PyTorch: a Keras user on the
+TensorFlow or JAX backend needs no torch installed.
 """
 
 __all__: list[str] = []

@@ -20,6 +20,7 @@ PAGES = {
     "transformer.md": ((), 12),
     "compat.md": (("keras", "onnxruntime", "onnxscript"), 7),
     "heads.md": (("matplotlib",), 7),
+    "transformers.md": (("transformers", "matplotlib"), 8),
 }
 
 

@@ -442,3 +442,61 @@ def test_import_multihead_does_not_import_transformers():
     code = "import sys, multihead, multihead.heads, multihead.viz; print('transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# ------------------------------------------------------------------------------------------------
+# The attention function on its own: the paths no tiny model reaches
+# ------------------------------------------------------------------------------------------------
+
+
+class _Module(torch.nn.Module):
+    is_causal = True
+
+
+@pytest.mark.parametrize(
+    "lq, lk, kwargs, allowed",
+    [
+        # no mask, Lq = Lk: causal, the lower triangle
+        (4, 4, {}, lambda: torch.ones(4, 4).tril().bool()),
+        # no mask, Lk > Lq (prefill into an empty static cache): top-left causal, later slots unseen
+        (3, 5, {}, lambda: torch.ones(3, 5).tril().bool()),
+        # no mask and a sliding window of 2: each query sees itself and the key before it
+        (
+            4,
+            4,
+            {"sliding_window": 2},
+            lambda: torch.ones(4, 4).tril().bool() & torch.ones(4, 4).triu(-1).bool(),
+        ),
+        # one query (decoding): every key
+        (1, 5, {}, lambda: torch.ones(1, 5).bool()),
+    ],
+)
+def test_attention_forward_without_a_mask(lq, lk, kwargs, allowed):
+    import multihead as mh
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (
+        torch.randn(2, 4, lq, 8, generator=g),
+        torch.randn(2, 2, lk, 8, generator=g),
+        torch.randn(2, 2, lk, 8, generator=g),
+    )
+    out, w = mhtf.attention_forward(_Module(), q, k, v, None, scaling=0.3, output_attentions=True, **kwargs)
+    want = mh.attention_reference(q, k, v, mask=allowed(), scale=0.3, return_weights=True)
+    assert out.shape == (2, lq, 4, 8)  # (B, Lq, H, D), transformers' layout
+    torch.testing.assert_close(out.transpose(1, 2), want.output, rtol=0, atol=1e-6)
+    torch.testing.assert_close(w, want.weights, rtol=0, atol=1e-6)
+
+
+def test_attention_forward_position_bias_and_refusals():
+    import multihead as mh
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 3, 4, generator=g) for _ in range(3))
+    bias = torch.randn(1, 2, 3, 3, generator=g)
+    mask = torch.tensor([[True, True, False]]).expand(3, 3)[None, None]  # (1, 1, Lq, Lk)
+    out, w = mhtf.attention_forward(_Module(), q, k, v, mask, position_bias=bias)
+    assert w is None  # weights only when asked
+    want = mh.attention_reference(q, k, v, mask=mask, bias=bias)
+    torch.testing.assert_close(out.transpose(1, 2), want, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="s_aux"):
+        mhtf.attention_forward(_Module(), q, k, v, mask, s_aux=torch.zeros(2))

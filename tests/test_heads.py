@@ -205,7 +205,7 @@ def test_prune_all_heads_of_a_layer_is_rejected():
 @pytest.mark.parametrize(
     "spec, match",
     [
-        ({"nope": [0]}, "not a MultiHeadAttention"),
+        ({"nope": [0]}, "not an attention module"),
         ({"encoder.layers.0.self_attn": [4]}, r"\[0, 4\)"),
         ({"encoder.layers.0.self_attn": ["a"]}, "head indices"),
         ([0], "mapping"),

@@ -18,13 +18,18 @@ the modules):
 
 A pruned model's ``state_dict`` has smaller tensors than a freshly built model: reload it with
 :func:`load_pruned`, which resizes the fresh model's attention modules to the checkpoint's shapes.
+
+Attention modules of other libraries join through a :class:`HeadFamily` (:func:`register_family`):
+importing :mod:`multihead.integrations.transformers` registers Hugging Face attention modules, so every
+tool here works on a transformers model running ``attn_implementation="multihead"``.
 """
 
 from .importance import importance, masked, masking_drop, rank
-from .naming import HeadSpec, attention_kind, attention_modules, head_counts
+from .naming import HeadFamily, HeadSpec, attention_kind, attention_modules, head_counts, register_family
 from .prune import PruneResult, PruneStep, load_pruned, prune, prune_iteratively
 
 __all__ = [
+    "HeadFamily",
     "HeadSpec",
     "PruneResult",
     "PruneStep",
@@ -38,4 +43,5 @@ __all__ = [
     "prune",
     "prune_iteratively",
     "rank",
+    "register_family",
 ]

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from ..nn import seam
-from .naming import HeadSpec, _resolve, attention_modules
+from .naming import HeadSpec, _resolve, attention_modules, check_routed, module_heads
 
 # ------------------------------------------------------------------------------------------------
 # Gates
@@ -44,6 +44,7 @@ def masked(model: nn.Module, heads: HeadSpec) -> Iterator[nn.Module]:
             logits = model(src, tgt)
     """
     spec = _resolve(model, heads)
+    check_routed(model)
 
     def make_gate(name: str, h: Tensor) -> Tensor | None:
         if not spec.get(name):
@@ -81,7 +82,8 @@ def importance(
     """Head importance of Michel et al. (2019): ``I_h = E_x |dL(x) / dxi_h|`` at gates ``xi = 1``.
 
     Args:
-        model: any module holding :class:`MultiHeadAttention` layers (run in eval mode here, restored after).
+        model: any module holding attention modules (:class:`MultiHeadAttention`, or a Hugging Face model
+            running on multihead), run in eval mode here, restored after.
         batches: an iterable of whatever ``loss_fn`` takes (e.g. ``(src, tgt)`` tensors).
         loss_fn: ``loss_fn(model, batch)`` -> scalar loss, the *mean* over the batch's examples.
         normalize: divide each module's scores by their L2 norm (the paper's per-layer normalisation),
@@ -97,8 +99,9 @@ def importance(
     """
     modules = attention_modules(model)
     if not modules:
-        raise ValueError("model has no multihead.MultiHeadAttention modules to score")
-    totals = {name: torch.zeros(m.num_heads, dtype=torch.float64) for name, m in modules.items()}
+        raise ValueError("model has no attention modules multihead can score")
+    check_routed(model)
+    totals = {name: torch.zeros(module_heads(m)[0], dtype=torch.float64) for name, m in modules.items()}
     n_batches = 0
     calls: list[tuple[str, Tensor]] = []  # (module name, gate (B, H, 1, 1)) of each call in one batch
 
@@ -159,10 +162,12 @@ def masking_drop(
     """
     modules = attention_modules(model)
     spec = (
-        {n: list(range(m.num_heads)) for n, m in modules.items()} if heads is None else _resolve(model, heads)
+        {n: list(range(module_heads(m)[0])) for n, m in modules.items()}
+        if heads is None
+        else _resolve(model, heads)
     )
     total = sum(len(v) for v in spec.values())
-    drops = {name: torch.full((m.num_heads,), float("nan")) for name, m in modules.items()}
+    drops = {name: torch.full((module_heads(m)[0],), float("nan")) for name, m in modules.items()}
     with _eval_mode(model):
         base = float(metric(model))
         done = 0

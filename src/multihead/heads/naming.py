@@ -1,8 +1,15 @@
-"""Which modules of a model are attention modules, their names and head counts, and head specs."""
+"""Which modules of a model are attention modules, their names and head counts, and head specs.
+
+Attention modules are :class:`~multihead.MultiHeadAttention` layers and the modules of every registered
+:class:`HeadFamily`: attention layers of other libraries whose attention runs through
+:func:`multihead.nn.seam.attend` (e.g. Hugging Face models via :mod:`multihead.integrations.transformers`,
+which registers its family when imported). Inspection code reads heads only through the helpers here.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Protocol
 
 from torch import Tensor, nn
 
@@ -14,15 +21,103 @@ HeadSpec = Mapping[str, Iterable[int]] | Iterable[int]
 
 
 # ------------------------------------------------------------------------------------------------
+# Families of attention modules from other libraries
+# ------------------------------------------------------------------------------------------------
+
+
+class HeadFamily(Protocol):
+    """Attention modules from outside multihead that the head tools can inspect, mask and prune.
+
+    A family's modules call :func:`multihead.nn.seam.attend` with themselves as ``module`` (so capture and
+    head gates reach them by the same mechanism as :class:`MultiHeadAttention`).
+    """
+
+    name: str
+
+    def owns(self, module: nn.Module) -> bool:
+        """Whether ``module`` is an attention module of this family."""
+        ...
+
+    def heads(self, module: nn.Module) -> tuple[int, int]:
+        """``(H, Hkv)``: the module's query and key/value heads now."""
+        ...
+
+    def kind(self, name: str, module: nn.Module) -> str | None:
+        """``"cross"`` etc. when the family knows better than :func:`attention_kind`, else None."""
+        ...
+
+    def check_routed(self, model: nn.Module) -> None:
+        """Raise ``ValueError`` (with the fix) if ``model``'s attention does not go through the seam."""
+        ...
+
+    def check_prunable(self, name: str, module: nn.Module) -> None:
+        """Raise ``ValueError`` naming the architecture if :meth:`reshape` cannot handle ``module``."""
+        ...
+
+    def reshape(
+        self, model: nn.Module, name: str, module: nn.Module, q_heads: list[int], kv_heads: list[int]
+    ) -> None:
+        """Keep query heads ``q_heads`` and key/value heads ``kv_heads`` (repeats allowed), in that order."""
+        ...
+
+
+_FAMILIES: dict[str, HeadFamily] = {}
+
+
+def register_family(family: HeadFamily) -> HeadFamily:
+    """Let the head tools act on ``family``'s modules (idempotent: one entry per ``family.name``)."""
+    _FAMILIES[family.name] = family
+    return family
+
+
+def family_of(module: nn.Module) -> HeadFamily | None:
+    """The registered family owning ``module`` (None for our own modules and non-attention modules)."""
+    for family in _FAMILIES.values():
+        if family.owns(module):
+            return family
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
 # Naming
 # ------------------------------------------------------------------------------------------------
 
 
-def attention_modules(model: nn.Module) -> dict[str, MultiHeadAttention]:
-    """Every :class:`MultiHeadAttention` in ``model`` by qualified name, in module order (``""`` = model)."""
+def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Every attention module in ``model`` by qualified name, in module order (``""`` = model).
+
+    :class:`MultiHeadAttention` layers and the modules of registered :class:`HeadFamily` s.
+    """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    return {name: m for name, m in model.named_modules() if isinstance(m, MultiHeadAttention)}
+    return {
+        name: m
+        for name, m in model.named_modules()
+        if isinstance(m, MultiHeadAttention) or family_of(m) is not None
+    }
+
+
+def module_heads(module: nn.Module) -> tuple[int, int]:
+    """``(H, Hkv)`` of an attention module (ours or a registered family's)."""
+    if isinstance(module, MultiHeadAttention):
+        return module.num_heads, module.kv_heads
+    family = family_of(module)
+    if family is None:
+        raise TypeError(f"{type(module).__name__} is not an attention module multihead knows")
+    return family.heads(module)
+
+
+def module_kind(name: str, module: nn.Module) -> str:
+    """The kind of an attention module: its family's answer, else :func:`attention_kind` of its name."""
+    family = None if isinstance(module, MultiHeadAttention) else family_of(module)
+    kind = None if family is None else family.kind(name, module)
+    return attention_kind(name) if kind is None else kind
+
+
+def check_routed(model: nn.Module) -> None:
+    """Raise if some attention of ``model`` bypasses the seam (then capture and gates would miss it)."""
+    for family in _FAMILIES.values():
+        family.check_routed(model)
 
 
 def attention_kind(name: str) -> str:
@@ -42,7 +137,7 @@ def attention_kind(name: str) -> str:
 
 def head_counts(model: nn.Module) -> dict[str, int]:
     """Current number of query heads of each attention module, by name."""
-    return {name: m.num_heads for name, m in attention_modules(model).items()}
+    return {name: module_heads(m)[0] for name, m in attention_modules(model).items()}
 
 
 def _resolve(model: nn.Module, heads: HeadSpec, *, argument: str = "heads") -> dict[str, list[int]]:
@@ -61,12 +156,12 @@ def _resolve(model: nn.Module, heads: HeadSpec, *, argument: str = "heads") -> d
     for name, idx in spec.items():
         if name not in modules:
             raise ValueError(
-                f"{argument} names {name!r}, which is not a MultiHeadAttention in this model; "
+                f"{argument} names {name!r}, which is not an attention module of this model; "
                 f"names: {_names_hint(modules)}"
             )
         if isinstance(idx, int):
             idx = [idx]
-        h = modules[name].num_heads
+        h = module_heads(modules[name])[0]
         picked = []
         for i in idx:
             i = int(i) if isinstance(i, Tensor) and i.numel() == 1 else i

@@ -16,14 +16,14 @@ from torch import Tensor, nn
 from ..core.checks import is_int
 from ..nn.attention import MultiHeadAttention
 from .importance import rank
-from .naming import HeadSpec, _resolve, attention_modules, head_counts
+from .naming import HeadSpec, _resolve, attention_modules, family_of, head_counts, module_heads
 
 # ------------------------------------------------------------------------------------------------
 # Pruning
 # ------------------------------------------------------------------------------------------------
 
 
-def _head_rows(heads: Iterable[int], size: int) -> Tensor:
+def head_rows(heads: Iterable[int], size: int) -> Tensor:
     """Row indices of ``heads`` in a projection where head i owns rows [i*size, (i+1)*size)."""
     idx = torch.as_tensor(list(heads), dtype=torch.long)
     return (idx[:, None] * size + torch.arange(size)).flatten()  # (n*size,)
@@ -36,9 +36,9 @@ def _reshape_heads(m: MultiHeadAttention, q_heads: list[int], kv_heads: list[int
     """
     dk, dv = m.head_dim, m.v_head_dim
     nq, nk, _ = m._proj_sizes()
-    q_rows = _head_rows(q_heads, dk)
-    k_rows, v_rows = _head_rows(kv_heads, dk), _head_rows(kv_heads, dv)
-    o_cols = _head_rows(q_heads, dv)
+    q_rows = head_rows(q_heads, dk)
+    k_rows, v_rows = head_rows(kv_heads, dk), head_rows(kv_heads, dv)
+    o_cols = head_rows(q_heads, dv)
 
     def take(p: nn.Parameter, rows: Tensor, dim: int = 0) -> nn.Parameter:
         new = nn.Parameter(p.detach().index_select(dim, rows.to(p.device)).clone())
@@ -59,9 +59,14 @@ def _reshape_heads(m: MultiHeadAttention, q_heads: list[int], kv_heads: list[int
     m.num_heads, m.kv_heads = len(q_heads), len(kv_heads)
 
 
-def _prune_module(m: MultiHeadAttention, drop: list[int], name: str) -> None:
-    h, hkv = m.num_heads, m.kv_heads
-    keep = [i for i in range(h) if i not in set(drop)]
+def plan(h: int, hkv: int, drop: Iterable[int], name: str) -> tuple[list[int], list[int]]:
+    """Heads to keep when ``drop`` goes: ``(query heads, key/value heads)``, key/value heads repeated as needed.
+
+    Query head j of the result uses key/value head ``j // (len(query heads) // len(key/value heads))``
+    (the contiguous grouping every grouped-query layout uses). Raises ``ValueError`` when nothing is left.
+    """
+    dropped = set(drop)
+    keep = [i for i in range(h) if i not in dropped]
     if not keep:
         raise ValueError(
             f"cannot prune all {h} heads of {name or 'the module'!r}: an attention layer needs at least one "
@@ -73,7 +78,18 @@ def _prune_module(m: MultiHeadAttention, drop: list[int], name: str) -> None:
     sizes = [len(c) for c in groups if c]
     size = math.gcd(*sizes)  # uneven groups: duplicate KV heads so every group has `size` query heads
     kv = [j for j, c in enumerate(groups) for _ in range(len(c) // size)]
-    _reshape_heads(m, keep, kv)
+    return keep, kv
+
+
+def _prune_module(model: nn.Module, name: str, m: nn.Module, drop: list[int]) -> None:
+    h, hkv = module_heads(m)
+    keep, kv = plan(h, hkv, drop, name)
+    if isinstance(m, MultiHeadAttention):
+        _reshape_heads(m, keep, kv)
+    else:
+        family = family_of(m)
+        assert family is not None  # attention_modules() found it
+        family.reshape(model, name, m, keep, kv)
 
 
 def prune(module_or_model: nn.Module, heads: HeadSpec, *, inplace: bool = False) -> nn.Module:
@@ -95,17 +111,21 @@ def prune(module_or_model: nn.Module, heads: HeadSpec, *, inplace: bool = False)
     the result is still exact. Pruning every head of a module raises ``ValueError``.
 
     Save a pruned model with ``torch.save(model.state_dict(), path)`` and reload it with
-    :func:`load_pruned` (a fresh model's shapes no longer match the checkpoint's).
+    :func:`load_pruned` (a fresh model's shapes no longer match the checkpoint's). Hugging Face models
+    (:mod:`multihead.integrations.transformers`) are pruned the same way, their real projections shrink,
+    and ``save_pretrained`` / ``integrations.transformers.from_pretrained`` save and reload them.
     """
     model = module_or_model if inplace else copy.deepcopy(module_or_model)
     spec = _resolve(model, heads)
     modules = attention_modules(model)
     for name, drop in spec.items():  # check everything before changing anything
-        if len(drop) == modules[name].num_heads:
-            _prune_module(modules[name], drop, name)  # raises the all-heads error
+        plan(*module_heads(modules[name]), drop, name)  # raises the all-heads error
+        family = family_of(modules[name])
+        if drop and family is not None:
+            family.check_prunable(name, modules[name])
     for name, drop in spec.items():
         if drop:
-            _prune_module(modules[name], drop, name)
+            _prune_module(model, name, modules[name], drop)
     return model
 
 
@@ -120,6 +140,11 @@ def load_pruned(model: nn.Module, state_dict: Mapping[str, Tensor], *, strict: b
         model = heads.load_pruned(Transformer(...same arguments...), torch.load("pruned.pt"))
     """
     for name, m in attention_modules(model).items():
+        if not isinstance(m, MultiHeadAttention):
+            raise TypeError(
+                f"load_pruned reloads multihead models; {name!r} is a {type(m).__name__}: reload a pruned "
+                f"Hugging Face model with multihead.integrations.transformers.from_pretrained"
+            )
         prefix = f"{name}." if name else ""
         key = f"{prefix}out_proj.weight"
         if key not in state_dict:

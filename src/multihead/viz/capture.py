@@ -8,17 +8,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
-from ..heads import attention_kind, attention_modules
+from ..heads.naming import attention_modules, check_routed, module_kind
 from ..nn import seam
-
-if TYPE_CHECKING:
-    pass
-
 
 # ------------------------------------------------------------------------------------------------
 # Capture
@@ -49,7 +44,10 @@ class Capture:
 
     def kind(self, name: str) -> str:
         """``"encoder self"``, ``"decoder self"``, ``"cross"`` or ``"self"`` for a captured module."""
-        return attention_kind(name)
+        for r in self.records:
+            if r.name == name:
+                return r.kind
+        raise KeyError(f"no attention weights captured for {name!r}; captured: {self.names()}")
 
     def get(self, name: str) -> Tensor:
         """All calls of module ``name`` joined along the queries: (B, H, sum of Lq, max Lk).
@@ -81,13 +79,14 @@ class _Recorder(seam.Inspector):
 
     def __init__(self, model: nn.Module, out: Capture) -> None:
         self.names = {m: name for name, m in attention_modules(model).items()}
+        self.kinds = {m: module_kind(name, m) for m, name in self.names.items()}
         self.out = out
 
     def on_heads(self, module: nn.Module, heads: Tensor, weights: Tensor | None) -> Tensor:
         name = self.names.get(module)
         if name is not None and weights is not None:
             w = weights.detach().to("cpu", copy=True)  # (B, H, Lq, Lk), no graph, no shared storage
-            self.out.records.append(AttentionRecord(name, attention_kind(name), w))
+            self.out.records.append(AttentionRecord(name, self.kinds[module], w))
         return heads
 
 
@@ -105,6 +104,7 @@ def capture(model: nn.Module) -> Iterator[Capture]:
 
     Weights are the softmax probabilities before dropout, the same as ``return_weights=True`` gives.
     """
+    check_routed(model)
     out = Capture()
     with seam.inspecting(_Recorder(model, out)):
         yield out

@@ -1,6 +1,7 @@
 """ONNX export: the file runs in onnxruntime with new batch sizes and lengths and matches eager to 1e-5."""
 
 import argparse
+import json
 
 import pytest
 import torch
@@ -108,6 +109,11 @@ def test_load_trained_reads_safetensors_with_an_explicit_config(saved_demo, tmp_
     bad = tmp_path / "bad.json"
     bad.write_text('{"model": {"class": "Sequential", "kwargs": {}}}')
     with pytest.raises(ValueError, match="'Sequential' is not one of"):
+        export.load_trained(path, bad)
+    cfg = json.loads(saved.config.read_text())
+    cfg["model"]["kwargs"]["d_model"] = 32  # not the checkpoint's model
+    bad.write_text(json.dumps(cfg))
+    with pytest.raises(checkpoint.CheckpointError, match=r"p\.safetensors does not fit the Transformer"):
         export.load_trained(path, bad)
 
 

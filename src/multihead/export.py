@@ -320,7 +320,15 @@ def load_trained(checkpoint_path: str | Path, config: str | Path | None = None) 
         model = getattr(multihead, cls)(**kwargs)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{config}: {cls}(**kwargs) failed: {e}") from e
-    return load_model(model, checkpoint_path).eval()
+    try:
+        return load_model(model, checkpoint_path).eval()
+    except (RuntimeError, ValueError) as e:  # shapes or names that do not fit the configured model
+        if isinstance(e, CheckpointError):
+            raise
+        first = str(e).strip().splitlines()[0]
+        raise CheckpointError(
+            f"{checkpoint_path} does not fit the {cls} that {config} describes: {first}"
+        ) from e
 
 
 def example_inputs(

@@ -2,14 +2,17 @@
 
 Dimensions: B batch, S source length, T target length, V target vocabulary, H heads.
 
-1. data: the date-normalisation task generated in-process (or ``--data FILE.tsv``), split by date;
-2. train a small encoder-decoder :class:`~multihead.Transformer` with a progress bar;
-3. evaluate exact match on held-out examples with greedy KV-cache decoding (:meth:`Transformer.generate`);
-4. capture the attention of a few decoded examples (:func:`multihead.viz.capture`) and plot it;
-5. score the heads (:func:`multihead.heads.importance`, :func:`~multihead.heads.masking_drop`);
-6. prune as many heads as keep dev accuracy within the budget (:func:`~multihead.heads.prune_iteratively`);
-7. save both models, reload the pruned one (:func:`~multihead.heads.load_pruned`), print the table,
-   and write the HTML report.
+1. data: the date-normalisation task generated in-process (or ``--data FILE.tsv``), split by date
+   (:func:`load_data`);
+2. train a small encoder-decoder :class:`~multihead.Transformer` with a progress bar (:func:`train_model`);
+3. evaluate exact match on held-out examples with greedy KV-cache decoding (:func:`evaluate`);
+4. capture the attention of a few decoded examples, plot it, score the heads two ways (:func:`inspect_heads`);
+5. prune as many heads as keep dev accuracy within the budget (:func:`prune_heads`);
+6. save both models and the config, reload the pruned one safely (:func:`save_and_reload`);
+7. print the before/after table and write ``results.md`` and the HTML report (:func:`write_results`).
+
+:func:`run` does the seven steps in order, after :func:`check_dependencies` (matplotlib, the ``viz``
+extra) so that a missing dependency stops it before any work.
 """
 
 from __future__ import annotations
@@ -267,13 +270,16 @@ def train_model(
     return model, log
 
 
-def evaluate(name: str, model: Transformer, ds: Dataset, cfg: DemoConfig, max_len: int) -> Row:
-    """Step 3: exact match on dev and test with greedy KV-cache decoding, and the decoding speed."""
+def evaluate(
+    name: str, model: Transformer, ds: Dataset, cfg: DemoConfig, max_len: int, *, dev: float | None = None
+) -> Row:
+    """Step 3: exact match on dev (unless ``dev`` is already known) and test with greedy KV-cache
+    decoding, and the decoding speed."""
     return Row(
         name,
         sum(heads.head_counts(model).values()),
         count_params(model),
-        exact_match(model, ds.dev, max_len),
+        exact_match(model, ds.dev, max_len) if dev is None else dev,
         exact_match(model, ds.test, max_len),
         decode_speed(model, ds.test, max_len, cfg.speed_repeats),
     )
@@ -429,7 +435,7 @@ def run(cfg: DemoConfig, out: str | Path, *, echo: Echo = print) -> dict[str, ob
     )
     seen = inspect_heads(model, cfg, ds, max_len, out, echo)
     res = prune_heads(model, cfg, ds, max_len, echo)
-    small = evaluate("pruned", res.model, ds, cfg, max_len)
+    small = evaluate("pruned", res.model, ds, cfg, max_len, dev=res.metric)  # pruning measured dev already
     same = save_and_reload(out, cfg, ds, model, res, max_len, echo)
     write_results(out, cfg, ds, [full, small], res, seen, echo)
     echo(

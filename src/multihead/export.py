@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -293,8 +294,6 @@ def load_trained(checkpoint_path: str | Path, config: str | Path | None = None) 
     resized on load (:func:`multihead.checkpoint.load_model`). Raises :class:`multihead.checkpoint.CheckpointError`
     for a config that does not describe a model.
     """
-    import json
-
     import multihead
 
     from .checkpoint import CheckpointError, load_model

@@ -1,19 +1,26 @@
 # Two commands do everything on a fresh machine:
 #   make demo   create .venv, install, run the end-to-end demo
-#   make test   create .venv, install, lint, run the test suite
+#   make test   create .venv, install, lint, smoke-test the built wheel, run the test suite
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+PIP := -m pip install -q --disable-pip-version-check
+# the wheel's smoke test: a fresh venv (not even pip) with torch (the pin of requirements-dev.txt) and the
+# wheel with its declared dependencies, installed by .venv's pip; --no-compile: no .pyc for all of torch
+SMOKE := build/smoke
+TORCH_PIN := $(shell grep -E '^torch==' requirements-dev.txt)
 
-.PHONY: venv demo test lint bench clean
+.PHONY: venv demo test lint wheel smoke bench clean
 
 venv: $(STAMP)
 
+# requirements-dev.txt pins everything (torch exactly: an unpinned torch pulls a multi-GB CUDA build);
+# the project is then installed with its declared dependencies resolved against those pins
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -r requirements-dev.txt
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	$(PY) $(PIP) -r requirements-dev.txt
+	$(PY) $(PIP) --no-build-isolation -c requirements-dev.txt -e ".[dev]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -23,11 +30,24 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: lint
+wheel: $(STAMP)
+	rm -rf dist
+	$(PY) -m pip wheel -q --disable-pip-version-check --no-deps --no-build-isolation -w dist .
+
+smoke: wheel
+	@start=$$(date +%s); \
+	rm -rf $(SMOKE) && $(PYTHON) -m venv --without-pip $(SMOKE)/venv && \
+	$(PY) -m pip --python $(SMOKE)/venv/bin/python install -q --disable-pip-version-check --no-compile \
+	  "$(TORCH_PIN)" dist/multihead-*.whl && \
+	cd $(SMOKE) && venv/bin/python -W "ignore:Failed to initialize NumPy" ../../tests/wheel_smoke.py; \
+	status=$$?; rm -rf $(CURDIR)/$(SMOKE); \
+	echo "wheel build + fresh venv + install + smoke test: $$(( $$(date +%s) - start )) s"; exit $$status
+
+test: lint smoke
 	$(PY) -m pytest -q -n 2 --durations=10
 
 bench: $(STAMP)
 	$(VENV)/bin/multihead bench
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis build dist

@@ -30,7 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -151,7 +151,7 @@ def _environment(cfg: dict) -> dict:
     except OSError:
         commit = ""
     env = {
-        "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date_utc": datetime.now(UTC).isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "platform": platform.platform(),

@@ -49,6 +49,11 @@ def test_demo_writes_every_artefact(tmp_path):
     assert parser.tags.count("img") >= 3
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["demo"]["d_model"] == 16 and cfg["pruned"] == res["pruned_heads"]
+    assert cfg["model"]["class"] == "Transformer" and cfg["model"]["kwargs"]["d_model"] == 16  # for export
+    for name in ("model.pt", "model_pruned.pt"):  # plain state dicts: the safe loader reads them
+        assert all(
+            isinstance(t, torch.Tensor) for t in torch.load(tmp_path / name, weights_only=True).values()
+        )
     # a 100-point budget prunes down to one head per module (min_heads), and the reload is exact
     assert res["reload_identical"] is True
     pruned_heads = sum(len(v) for v in res["pruned_heads"].values())
@@ -104,7 +109,8 @@ def test_pruned_checkpoint_reloads_into_a_fresh_model(tmp_path):
     model = build_model(tiny(), ds).eval()
     pruned = heads.prune(model, {"encoder.layers.0.self_attn": [1], "decoder.layers.0.cross_attn": [0]})
     torch.save(pruned.state_dict(), tmp_path / "p.pt")
-    again = heads.load_pruned(build_model(tiny(), ds), torch.load(tmp_path / "p.pt")).eval()
+    state = torch.load(tmp_path / "p.pt", weights_only=True)  # as load_pruned's docstring says
+    again = heads.load_pruned(build_model(tiny(), ds), state).eval()
     src = ds.test.src
     kw = dict(bos_id=data.BOS, eos_id=data.EOS, max_len=8)
     assert torch.equal(again.generate(src, **kw), pruned.generate(src, **kw))

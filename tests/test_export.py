@@ -1,6 +1,7 @@
 """ONNX export: the file runs in onnxruntime with new batch sizes and lengths and matches eager to 1e-5."""
 
 import argparse
+import json
 
 import pytest
 import torch
@@ -57,9 +58,70 @@ def test_to_onnx_rejects_non_tensor_inputs(tmp_path):
         export.to_onnx(mh.MultiHeadAttention(8, 2), [[1.0]], tmp_path / "x.onnx")
 
 
-def test_cli_exports_the_transformer(tmp_path):
-    argv, _ = _cli_args(out=tmp_path / "t.onnx", model="transformer")
-    assert cli.main(argv) == 0
+@pytest.fixture(scope="module")
+def saved_demo(tmp_path_factory):
+    """The demo's tiny model (random weights) and its pruned copy, written by the demo's own save code."""
+    from multihead import heads
+    from multihead.demo import data
+    from multihead.demo.model import DemoConfig, build_model, save_models
+
+    out = tmp_path_factory.mktemp("demo-out")
+    cfg = DemoConfig(d_model=16, num_heads=2, layers=1, d_ff=32, train_size=50, dev_size=10, test_size=10)
+    ds = data.make_dataset(0, train=cfg.train_size, dev=cfg.dev_size, test=cfg.test_size)
+    torch.manual_seed(0)
+    model = build_model(cfg, ds).eval()
+    removed = {"encoder.layers.0.self_attn": [1], "decoder.layers.0.cross_attn": [0]}
+    pruned = heads.prune(model, removed).eval()
+    return save_models(out, cfg, ds, model, pruned, removed), pruned
+
+
+def test_cli_exports_the_demos_saved_model_and_onnxruntime_matches(saved_demo, tmp_path, capsys):
+    saved, pruned = saved_demo
+    out = tmp_path / "dates.onnx"
+    assert cli.main(["export", "--checkpoint", str(saved.pruned), "--out", str(out)]) == 0
+    assert "exporting Transformer" in capsys.readouterr().out
+    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    assert [i.name for i in session.get_inputs()] == ["src", "tgt", "src_valid_lens"]
+    g = torch.Generator().manual_seed(2)
+    for b, s, t in ((3, 6, 4), (5, 9, 7)):  # shapes other than the export's example (2, 7, 5)
+        src, tgt = (
+            torch.randint(1, pruned.src_vocab, (b, s), generator=g),
+            torch.randint(1, pruned.tgt_vocab, (b, t), generator=g),
+        )
+        lens = torch.randint(1, s + 1, (b,), generator=g)
+        with torch.no_grad():
+            eager = pruned(src, tgt, src_valid_lens=lens)  # the model as it was before saving
+        feed = {"src": src.numpy(), "tgt": tgt.numpy(), "src_valid_lens": lens.numpy()}
+        (got,) = session.run(None, feed)
+        torch.testing.assert_close(torch.from_numpy(got), eager, atol=1e-5, rtol=1e-5)
+
+
+def test_load_trained_reads_safetensors_with_an_explicit_config(saved_demo, tmp_path):
+    pytest.importorskip("safetensors")
+    from multihead import checkpoint
+
+    saved, pruned = saved_demo
+    path = checkpoint.save(pruned, tmp_path / "p.safetensors")
+    again = export.load_trained(path, saved.config)
+    src, tgt = torch.randint(1, 10, (2, 5)), torch.randint(1, 10, (2, 3))
+    with torch.no_grad():
+        assert torch.equal(again(src, tgt), pruned(src, tgt))
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"model": {"class": "Sequential", "kwargs": {}}}')
+    with pytest.raises(ValueError, match="'Sequential' is not one of"):
+        export.load_trained(path, bad)
+    cfg = json.loads(saved.config.read_text())
+    cfg["model"]["kwargs"]["d_model"] = 32  # not the checkpoint's model
+    bad.write_text(json.dumps(cfg))
+    with pytest.raises(checkpoint.CheckpointError, match=r"p\.safetensors does not fit the Transformer"):
+        export.load_trained(path, bad)
+
+
+def test_random_transformer_has_example_inputs():
+    _, args = _cli_args(model="transformer")
+    module, (src, tgt), kwargs = export._example(args)
+    assert isinstance(module, mh.Transformer) and src.shape == (2, 7) and tgt.shape == (2, 5)
+    assert list(kwargs) == ["src_valid_lens"]
 
 
 def test_d2l_layer_with_float_valid_lens_exports(tmp_path):

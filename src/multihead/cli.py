@@ -1,67 +1,170 @@
-"""Command line: ``multihead demo | bench | export`` (``python -m multihead`` is the same)."""
+"""The ``multihead`` command: ``multihead demo | bench | export`` (``python -m multihead`` is the same).
+
+Exit status: 0 success; 1 the command ran and failed (a missing optional extra, a failed check);
+2 a usage error (bad options, or a file named on the command line that is missing or unusable).
+Usage errors and missing extras print one line on stderr, without a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+
+EXAMPLES = """\
+examples:
+  multihead demo                      train, decode, inspect and prune a small Transformer (~1 min)
+  multihead demo --help               the demo's options
+  multihead export --checkpoint demo-out/model_pruned.pt --out dates.onnx
+  multihead bench --quick             a few seconds of benchmarks
+
+exit status: 0 ok, 1 failed (e.g. a missing extra), 2 usage error"""
+
+DEMO_EXAMPLES = """\
+examples:
+  multihead demo                      the date task at seed 0, artefacts in demo-out/
+  multihead demo --out runs/s1 --seed 1 --steps 300
+  multihead demo --data fra-eng.tsv   your own source<TAB>target pairs
+  multihead demo --seeds              only the seed notebooks' parity table (seconds)
+
+Writes report.html, PNG plots, results.md, model.pt, model_pruned.pt and config.json under --out
+(export a saved model with: multihead export --checkpoint OUT/model_pruned.pt).
+Needs the extra multihead[viz] (matplotlib) for its plots and report; it checks before training."""
+
+BENCH_EXAMPLES = """\
+examples:
+  multihead bench --quick             tiny shapes, a few seconds (a smoke test)
+  multihead bench --only gqa          only the cases whose name contains 'gqa'
+  multihead bench --device cuda --out results/"""
+
+
+class UsageError(Exception):
+    """A mistake in what the user asked for: printed as one line, exit status 2."""
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
 
 
 def _demo(args: argparse.Namespace) -> int:
     from .demo import seeds
 
-    status = seeds.run(seed=args.seed)  # the seed notebooks' examples, checked against torch first
     if args.seeds:
-        return status
-    print()
+        return seeds.run(seed=args.seed)  # the seed notebooks' examples, checked against torch
     from .demo.data import DataError
-    from .demo.run import DemoConfig, run
+    from .demo.run import DemoConfig, check_dependencies, run
 
+    check_dependencies()  # before any work: a missing matplotlib fails in seconds, not after training
+    status = seeds.run(seed=args.seed)
+    print()
     cfg = DemoConfig(seed=args.seed, data=args.data)
     if args.steps is not None:
         cfg.steps = args.steps
     try:
         run(cfg, args.out)
     except DataError as e:
-        print(f"multihead demo: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(str(e)) from e
     return status
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``multihead`` command."""
-    parser = argparse.ArgumentParser(prog="multihead", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+def _export(args: argparse.Namespace) -> int:
+    from .checkpoint import CheckpointError
+    from .export import run_cli
+
+    try:
+        return run_cli(args)
+    except (CheckpointError, FileNotFoundError) as e:
+        raise UsageError(str(e)) from e
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from . import bench
+
+    return bench.run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``multihead`` argument parser: one subparser per command, each with examples in its ``--help``."""
+    return _build()[0]
+
+
+def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The parser and its subparsers by command name."""
+    parser = argparse.ArgumentParser(
+        prog="multihead",
+        description="Multi-head attention that is correct, fast and inspectable: the demo, the benchmarks, "
+        "ONNX export.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,export}")
     demo = sub.add_parser(
         "demo",
         help="run the end-to-end demo",
         description="Train a small Transformer on date normalisation (or --data FILE.tsv), decode with the "
         "KV cache, plot its attention, score and prune its heads, and compare before/after.",
+        epilog=DEMO_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     demo.add_argument("--out", default="demo-out", help="directory for the report, plots and models")
     demo.add_argument("--seed", type=int, default=0, help="seed for the data, the model and training")
     demo.add_argument(
         "--data", metavar="FILE.tsv", help="train on your own source<TAB>target pairs (d2l fra-eng format)"
     )
-    demo.add_argument("--steps", type=int, help="training steps (default 900)")
+    demo.add_argument("--steps", type=_positive, help="training steps (default 900)")
     demo.add_argument("--seeds", action="store_true", help="only print the seed notebooks' parity table")
-    bench = sub.add_parser("bench", help="benchmark multihead against its peers (see docs/performance.md)")
-    from . import bench as _bench
+    demo.set_defaults(handler=_demo)
+    bench = sub.add_parser(
+        "bench",
+        help="benchmark multihead against its peers (see docs/performance.md)",
+        description="Interleaved benchmarks of multihead against torch, Keras and a naive implementation.",
+        epilog=BENCH_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    from .bench import add_arguments as add_bench_arguments
 
-    _bench.add_arguments(bench)
+    add_bench_arguments(bench)
+    bench.set_defaults(handler=_bench)
     from .export import add_cli as add_export_cli
 
     add_export_cli(sub)
-    args = parser.parse_args(argv)
-    if args.command == "demo":
-        return _demo(args)
-    if args.command == "bench":
-        return _bench.run(args)
-    if args.command == "export":
-        from .export import run_cli as export_cli
+    sub.choices["export"].set_defaults(handler=_export)
+    return parser, dict(sub.choices)
 
-        return export_cli(args)
-    parser.error(f"unknown command {args.command}")
-    return 2
+
+def _positive(text: str) -> int:
+    """argparse type: an int >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``multihead`` command; returns the exit status (argparse exits 2 on bad usage)."""
+    parser, commands = _build()
+    args = parser.parse_args(argv)
+    check: Callable[[argparse.ArgumentParser, argparse.Namespace], None] | None = getattr(
+        args, "check_args", None
+    )
+    if check is not None:
+        check(commands[args.command], args)  # more usage errors: exit 2 with the subcommand's usage line
+    from ._extras import MissingExtra
+
+    try:
+        return args.handler(args)
+    except UsageError as e:
+        print(f"multihead {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except MissingExtra as e:
+        print(f"multihead {args.command}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"multihead {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +25,9 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-__all__ = ["ExportReport", "to_onnx", "verify_onnx"]
+from ._extras import require
+
+__all__ = ["ExportReport", "example_inputs", "load_trained", "to_onnx", "verify_onnx"]
 
 #: (batch delta, length delta) of the inputs :func:`verify_onnx` builds beyond the example's own shapes.
 VERIFY_DELTAS = ((1, 2), (2, 5))
@@ -128,6 +131,7 @@ def to_onnx(
 
     Returns an :class:`ExportReport`.
     """
+    require("onnx", ("onnx", "onnxscript", *(("onnxruntime",) if verify else ())), "ONNX export")
     args = _as_args(example_input)
     kwargs = dict(example_kwargs or {})
     for name, t in [*((f"example_input[{i}]", a) for i, a in enumerate(args)), *kwargs.items()]:
@@ -221,45 +225,174 @@ def verify_onnx(
 # ----------------------------------------------------------------------------------------------
 
 
+EXAMPLES = """\
+examples:
+  multihead export                                  random MultiHeadAttention(64, 4) -> multihead.onnx
+  multihead export --model transformer --out t.onnx
+  multihead export --checkpoint demo-out/model_pruned.pt --out dates.onnx
+                                                    the demo's trained (pruned) Transformer; its
+                                                    config is demo-out/config.json
+  multihead export --checkpoint my.safetensors --config my.json
+
+A --config file is JSON: {"model": {"class": "Transformer" or "MultiHeadAttention", "kwargs": {...}}},
+the constructor's arguments (the demo's config.json has this entry). The ONNX file is checked in
+onnxruntime against PyTorch (max |diff| <= 1e-5) on three batch sizes and lengths.
+Needs the extra multihead[onnx]."""
+
+#: The classes ``--config`` may name, each with its example inputs (see :func:`example_inputs`).
+EXPORTABLE = ("MultiHeadAttention", "Transformer")
+
+
 def add_cli(sub: argparse._SubParsersAction) -> None:
     """Register the ``export`` subcommand on the ``multihead`` command's subparsers."""
-    p = sub.add_parser("export", help="export MultiHeadAttention (or the Transformer) to ONNX and verify it")
-    p.add_argument("--model", choices=["mha", "transformer"], default="mha")
-    p.add_argument("--embed-dim", type=int, default=64)
-    p.add_argument("--heads", type=int, default=4)
+    p = sub.add_parser(
+        "export",
+        help="export a model (trained, or random weights) to ONNX and verify it in onnxruntime",
+        description="Export MultiHeadAttention or the Transformer to ONNX with dynamic batch and lengths: "
+        "a trained model from --checkpoint, or one with random weights.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--checkpoint", metavar="PATH", help="a trained model's weights (.pt or .safetensors)")
+    p.add_argument(
+        "--config", metavar="CONFIG", help="JSON with the model's class and arguments (default: config.json "
+        "beside the checkpoint)"
+    )  # fmt: skip
+    random_weights = p.add_argument_group("random weights (without --checkpoint)")
+    random_weights.add_argument("--model", choices=["mha", "transformer"], help="default: mha")
+    random_weights.add_argument("--embed-dim", type=int, help="default: 64")
+    random_weights.add_argument("--heads", type=int, help="default: 4")
+    random_weights.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     p.add_argument("--batch", type=int, default=2, help="example batch size (>= 2; the axis stays dynamic)")
-    p.add_argument("--len", type=int, default=5, help="example query length (>= 2)")
-    p.add_argument("--kv-len", type=int, default=7, help="example key/value length (>= 2)")
+    p.add_argument("--len", type=int, default=5, help="example query (target) length (>= 2)")
+    p.add_argument("--kv-len", type=int, default=7, help="example key/value (source) length (>= 2)")
     p.add_argument("--no-valid-lens", action="store_true", help="no valid_lens input")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     p.add_argument("--opset", type=int, default=18)
-    p.add_argument("--out", default="multihead.onnx")
+    p.add_argument("--out", default="multihead.onnx", help="the .onnx file to write")
+    p.set_defaults(check_args=_check_args)
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Usage errors the parser cannot see on its own (exit 2 through ``parser.error``)."""
+    chosen = [
+        f"--{n.replace('_', '-')}" for n in ("model", "embed_dim", "heads") if getattr(args, n) is not None
+    ]
+    if args.checkpoint is None and args.config is not None:
+        parser.error("--config goes with --checkpoint (it describes the checkpoint's model)")
+    if args.checkpoint is not None and chosen:
+        parser.error(f"{', '.join(chosen)}: the model comes from --checkpoint and its config; drop them")
+    for name in ("batch", "len", "kv_len"):
+        if getattr(args, name) < 2:
+            parser.error(f"--{name.replace('_', '-')} must be >= 2 (an axis of size 1 is exported as fixed)")
+
+
+def load_trained(checkpoint_path: str | Path, config: str | Path | None = None) -> nn.Module:
+    """The model saved at ``checkpoint_path``, rebuilt from ``config`` and loaded safely, in eval mode.
+
+    ``config``: JSON ``{"model": {"class": "Transformer" | "MultiHeadAttention", "kwargs": {...}}}``
+    (default: ``config.json`` beside the checkpoint, as the demo writes it). Pruned checkpoints are
+    resized on load (:func:`multihead.checkpoint.load_model`). Raises :class:`multihead.checkpoint.CheckpointError`
+    for a config that does not describe a model.
+    """
+    import multihead
+
+    from .checkpoint import CheckpointError, load_model
+
+    checkpoint_path = Path(checkpoint_path)
+    if not checkpoint_path.is_file():
+        raise FileNotFoundError(f"no checkpoint file {str(checkpoint_path)!r}")
+    config = Path(config) if config is not None else checkpoint_path.with_name("config.json")
+    if not config.is_file():
+        raise FileNotFoundError(
+            f"no config file {str(config)!r}: pass --config with the model's class and arguments"
+        )
+    try:
+        spec = json.loads(config.read_text())["model"]
+        cls, kwargs = spec["class"], dict(spec["kwargs"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(
+            f'{config}: expected JSON {{"model": {{"class": ..., "kwargs": {{...}}}}}}, failed at {e!r}'
+        ) from e
+    if cls not in EXPORTABLE:
+        raise CheckpointError(f"{config}: model class {cls!r} is not one of {list(EXPORTABLE)}")
+    try:
+        model = getattr(multihead, cls)(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{config}: {cls}(**kwargs) failed: {e}") from e
+    try:
+        return load_model(model, checkpoint_path).eval()
+    except (RuntimeError, ValueError) as e:  # shapes or names that do not fit the configured model
+        if isinstance(e, CheckpointError):
+            raise
+        first = str(e).strip().splitlines()[0]
+        raise CheckpointError(
+            f"{checkpoint_path} does not fit the {cls} that {config} describes: {first}"
+        ) from e
+
+
+def example_inputs(
+    module: nn.Module,
+    *,
+    batch: int = 2,
+    length: int = 5,
+    kv_length: int = 7,
+    valid_lens: bool = True,
+    seed: int = 0,
+) -> tuple[tuple[Tensor, ...], dict[str, Tensor]]:
+    """Example inputs for exporting ``module`` (a ``Transformer`` or ``MultiHeadAttention``).
+
+    Transformer: ``(src (B, kv_length), tgt (B, length))`` token ids in ``[1, vocab)`` and
+    ``{"src_valid_lens": (B,)}``; MultiHeadAttention: ``(query (B, length, E), key (B, kv_length, kdim))``
+    (value = key when kdim == vdim, else a third tensor (B, kv_length, vdim)) and ``{"valid_lens": (B,)}``.
+    """
+    import multihead
+
+    gen = torch.Generator().manual_seed(seed)
+    b, lq, lk = batch, length, kv_length
+    lens = torch.arange(b) % lk + 1  # (B,): 1, 2, ... valid keys
+    if isinstance(module, multihead.Transformer):
+        src = torch.randint(1, max(2, module.src_vocab), (b, lk), generator=gen)  # (B, S)
+        tgt = torch.randint(1, max(2, module.tgt_vocab), (b, lq), generator=gen)  # (B, T)
+        return (src, tgt), ({"src_valid_lens": lens} if valid_lens else {})
+    if isinstance(module, multihead.MultiHeadAttention):
+        x = torch.randn(b, lq, module.embed_dim, generator=gen)
+        key = torch.randn(b, lk, module.kdim, generator=gen)
+        value = () if module.vdim == module.kdim else (torch.randn(b, lk, module.vdim, generator=gen),)
+        return (x, key, *value), ({"valid_lens": lens} if valid_lens else {})
+    raise TypeError(f"module must be a Transformer or MultiHeadAttention, got {type(module).__name__}")
+
+
+def _random_module(args: argparse.Namespace) -> nn.Module:
+    """The module ``multihead export`` exports without ``--checkpoint``: random weights from ``--seed``."""
+    import multihead
+
+    torch.manual_seed(args.seed)
+    e, h = args.embed_dim or 64, args.heads or 4
+    if (args.model or "mha") == "transformer":
+        return multihead.Transformer(50, 50, d_model=e, num_heads=h, num_encoder_layers=2, num_decoder_layers=2,
+                                     d_ff=2 * e, dropout=0.0).eval()  # fmt: skip
+    return multihead.MultiHeadAttention(e, h).eval()
 
 
 def _example(args: argparse.Namespace) -> tuple[nn.Module, tuple[Tensor, ...], dict[str, Tensor]]:
     """The module and example inputs the ``export`` subcommand exports."""
-    import multihead
-
-    torch.manual_seed(args.seed)
-    b, lq, lk, e = args.batch, args.len, args.kv_len, args.embed_dim
-    lens = torch.arange(b) % lk + 1  # (B,): 1, 2, ... valid keys
-    if args.model == "transformer":
-        cls = getattr(multihead, "Transformer", None)
-        if cls is None:
-            raise SystemExit("multihead.Transformer is not available in this version; export --model mha")
-        model = cls(50, 50, d_model=e, num_heads=args.heads, num_encoder_layers=2, num_decoder_layers=2,
-                    d_ff=2 * e, dropout=0.0)  # fmt: skip
-        src, tgt = torch.randint(1, 50, (b, lk)), torch.randint(1, 50, (b, lq))
-        return model.eval(), (src, tgt), ({} if args.no_valid_lens else {"src_valid_lens": lens})
-    mha = multihead.MultiHeadAttention(e, args.heads).eval()
-    x, mem = torch.randn(b, lq, e), torch.randn(b, lk, e)
-    return mha, (x, mem), ({} if args.no_valid_lens else {"valid_lens": lens})  # value = key
+    if args.checkpoint is not None:
+        module = load_trained(args.checkpoint, args.config)
+    else:
+        module = _random_module(args)
+    inputs, kwargs = example_inputs(
+        module, batch=args.batch, length=args.len, kv_length=args.kv_len, valid_lens=not args.no_valid_lens,
+        seed=args.seed,
+    )  # fmt: skip
+    return module, inputs, kwargs
 
 
 def run_cli(args: argparse.Namespace) -> int:
     """``multihead export``: write the ONNX file, verify it in onnxruntime, print what the graph takes."""
+    require("onnx", ("onnx", "onnxruntime", "onnxscript"), "ONNX export")  # before loading anything
     module, inputs, kwargs = _example(args)
-    print(f"exporting {type(module).__name__} -> {args.out} (opset {args.opset}) ...", flush=True)
+    source = args.checkpoint or f"random weights, seed {args.seed}"
+    print(f"exporting {type(module).__name__} ({source}) -> {args.out} (opset {args.opset}) ...", flush=True)
     report = to_onnx(module, inputs, args.out, example_kwargs=kwargs, opset=args.opset)
     for name, shape in report.inputs.items():
         print(f"  input {name:<14} {shape}")

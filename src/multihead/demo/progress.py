@@ -8,10 +8,12 @@ from typing import TextIO
 
 
 class Progress:
-    """``[#####.....]  50%  500/1000  loss 0.123  12.3s``, redrawn in place on a terminal.
+    """``[#####.....]  50%  500/1000  loss 0.123  12.3s``, redrawn in place on a terminal only.
 
-    On a terminal the line is redrawn at most 10 times a second; elsewhere (a log file, a test)
-    only the final line is written, once, by :meth:`close`. Use as a context manager::
+    The bar is drawn on ``file`` (default ``sys.stderr``). When that stream is a terminal the line is
+    redrawn in place at most 10 times a second; otherwise (a CI log, a pipe, a test) it is written as
+    plain lines, one at each quarter of the way and the final one by :meth:`close`, with no carriage
+    returns. Use as a context manager::
 
         with Progress(1000, "train") as bar:
             for step in range(1000):
@@ -23,6 +25,7 @@ class Progress:
         self.file = sys.stderr if file is None else file
         self.tty = bool(getattr(self.file, "isatty", lambda: False)())
         self.done, self.info, self.start, self.last = 0, "", time.perf_counter(), 0.0
+        self.quarter = 0  # quarters already written as plain lines (not a terminal)
 
     def __enter__(self) -> Progress:
         return self
@@ -43,10 +46,15 @@ class Progress:
         self.done += n
         if info:
             self.info = "  ".join(f"{k} {v}" for k, v in info.items())
-        now = time.perf_counter()
-        if self.tty and (now - self.last > 0.1 or self.done >= self.total):
-            self.last = now
-            self.file.write("\r" + self.line())
+        if self.tty:
+            now = time.perf_counter()
+            if now - self.last > 0.1 or self.done >= self.total:
+                self.last = now
+                self.file.write("\r" + self.line())
+                self.file.flush()
+        elif self.done < self.total and 4 * self.done // self.total > self.quarter:
+            self.quarter = 4 * self.done // self.total
+            self.file.write(self.line() + "\n")
             self.file.flush()
 
     def close(self) -> None:

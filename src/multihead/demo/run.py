@@ -2,19 +2,21 @@
 
 Dimensions: B batch, S source length, T target length, V target vocabulary, H heads.
 
-1. data: the date-normalisation task generated in-process (or ``--data FILE.tsv``), split by date;
-2. train a small encoder-decoder :class:`~multihead.Transformer` with a progress bar;
-3. evaluate exact match on held-out examples with greedy KV-cache decoding (:meth:`Transformer.generate`);
-4. capture the attention of a few decoded examples (:func:`multihead.viz.capture`) and plot it;
-5. score the heads (:func:`multihead.heads.importance`, :func:`~multihead.heads.masking_drop`);
-6. prune as many heads as keep dev accuracy within the budget (:func:`~multihead.heads.prune_iteratively`);
-7. save both models, reload the pruned one (:func:`~multihead.heads.load_pruned`), print the table,
-   and write the HTML report.
+1. data: the date-normalisation task generated in-process (or ``--data FILE.tsv``), split by date
+   (:func:`load_data`);
+2. train a small encoder-decoder :class:`~multihead.Transformer` with a progress bar (:func:`train_model`);
+3. evaluate exact match on held-out examples with greedy KV-cache decoding (:func:`evaluate`);
+4. capture the attention of a few decoded examples, plot it, score the heads two ways (:func:`inspect_heads`);
+5. prune as many heads as keep dev accuracy within the budget (:func:`prune_heads`);
+6. save both models and the config, reload the pruned one safely (:func:`save_and_reload`);
+7. print the before/after table and write ``results.md`` and the HTML report (:func:`write_results`).
+
+:func:`run` does the seven steps in order, after :func:`check_dependencies` (matplotlib, the ``viz``
+extra) so that a missing dependency stops it before any work.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import time
@@ -26,55 +28,21 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import heads, viz
+from .. import checkpoint, heads, viz
+from .._extras import require
 from ..transformer import Transformer
 from .data import BOS, EOS, PAD, Dataset, Split, date_pairs, make_dataset
+from .model import DemoConfig, build_model, save_models
 from .progress import Progress
 
-__all__ = ["DemoConfig", "exact_match", "run"]
+__all__ = ["DemoConfig", "build_model", "check_dependencies", "exact_match", "run"]
+
+Echo = Callable[[str], None]
 
 
-@dataclass
-class DemoConfig:
-    """Everything the demo's numbers depend on (the defaults are the README's run)."""
-
-    seed: int = 0
-    data: str | None = None  # a TSV file of source<TAB>target pairs instead of the date task
-    d_model: int = 64
-    num_heads: int = 4
-    layers: int = 2  # encoder layers = decoder layers
-    d_ff: int = 128
-    dropout: float = 0.0
-    steps: int = 900
-    batch_size: int = 128
-    lr: float = 3e-3
-    warmup: int = 100
-    train_size: int = 20000
-    dev_size: int = 1000
-    test_size: int = 1000
-    curve_points: int = 6  # dev accuracy checks during training (for the curve)
-    prune_step: float = 0.1  # fraction of all heads per pruning step
-    prune_budget: float = 1.0  # accuracy points the pruned model may lose (on dev)
-    drop_size: int = 300  # dev examples per masking-drop evaluation
-    prune_patience: int = 6  # single-head rejections in a row before pruning stops
-    speed_repeats: int = 3
-    report_examples: int = 3
-
-
-def build_model(cfg: DemoConfig, ds: Dataset) -> Transformer:
-    """The demo's Transformer for ``ds``'s vocabularies (post-norm, as in the paper)."""
-    return Transformer(
-        len(ds.src_vocab),
-        len(ds.tgt_vocab),
-        d_model=cfg.d_model,
-        num_heads=cfg.num_heads,
-        num_encoder_layers=cfg.layers,
-        num_decoder_layers=cfg.layers,
-        d_ff=cfg.d_ff,
-        dropout=cfg.dropout,
-        max_len=512,
-        pad_id=PAD,
-    )
+def check_dependencies() -> None:
+    """Raise :class:`ImportError` naming the ``viz`` extra now, before any training, if matplotlib is missing."""
+    require("viz", ("matplotlib.figure",), "the demo's plots and HTML report")
 
 
 def count_params(model: nn.Module) -> int:
@@ -275,43 +243,61 @@ def _text_table(rows: list[list[str]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
 
 
-def run(cfg: DemoConfig, out: str | Path, *, echo: Callable[[str], None] = print) -> dict[str, object]:
-    """Run the whole demo, writing its artefacts under ``out``; returns the numbers it printed.
-
-    Artefacts: ``training.png``, ``attention_cross.png``, ``attention_encoder.png``,
-    ``attention_decoder.png``, ``importance.png``, ``masking_drop.png``, ``report.html``,
-    ``results.md``, ``model.pt``, ``model_pruned.pt`` and ``config.json``.
-    """
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    torch.manual_seed(cfg.seed)
+def load_data(cfg: DemoConfig, echo: Echo) -> Dataset:
+    """Step 1: the date task (or ``cfg.data``), split so that held-out examples use unseen dates."""
     ds = make_dataset(cfg.seed, train=cfg.train_size, dev=cfg.dev_size, test=cfg.test_size, data=cfg.data)
-    max_len = ds.max_target_len + 2
     echo(
         f"data: {ds.name}: {len(ds.train)} train / {len(ds.dev)} dev / {len(ds.test)} test pairs "
         f"(held-out dates), vocab {len(ds.src_vocab)} -> {len(ds.tgt_vocab)}; e.g. "
         + "; ".join(f"{s!r} -> {t!r}" for s, t in ds.train.pairs[:3])
     )
+    return ds
+
+
+def train_model(
+    cfg: DemoConfig, ds: Dataset, max_len: int, out: Path, echo: Echo
+) -> tuple[Transformer, TrainLog]:
+    """Step 2: build and train the Transformer, plot the training curve; returns it (in eval mode) and the log."""
     model = build_model(cfg, ds)
-    n_heads = sum(heads.head_counts(model).values())
     echo(
         f"model: Transformer d_model={cfg.d_model}, {cfg.num_heads} heads, {cfg.layers}+{cfg.layers} layers, "
-        f"d_ff={cfg.d_ff}: {count_params(model):,} parameters, {n_heads} attention heads"
+        f"d_ff={cfg.d_ff}: {count_params(model):,} parameters, "
+        f"{sum(heads.head_counts(model).values())} attention heads"
     )
     log = train(model, ds, cfg, max_len)
     model.eval()
     plot_training(log, out / "training.png")
+    return model, log
 
-    # -- decode with the KV cache and evaluate --------------------------------------------------
-    full = Row("full", n_heads, count_params(model), exact_match(model, ds.dev, max_len), 0.0, 0.0)
-    full.test = exact_match(model, ds.test, max_len)
-    full.speed = decode_speed(model, ds.test, max_len, cfg.speed_repeats)
-    echo(
-        f"trained in {log.seconds:.0f} s: held-out exact match {full.test:.1f}% (test), {full.dev:.1f}% (dev)"
+
+def evaluate(
+    name: str, model: Transformer, ds: Dataset, cfg: DemoConfig, max_len: int, *, dev: float | None = None
+) -> Row:
+    """Step 3: exact match on dev (unless ``dev`` is already known) and test with greedy KV-cache
+    decoding, and the decoding speed."""
+    return Row(
+        name,
+        sum(heads.head_counts(model).values()),
+        count_params(model),
+        exact_match(model, ds.dev, max_len) if dev is None else dev,
+        exact_match(model, ds.test, max_len),
+        decode_speed(model, ds.test, max_len, cfg.speed_repeats),
     )
 
-    # -- look inside ------------------------------------------------------------------------------
+
+@dataclass
+class Inspection:
+    """What step 4 found: report panels per decoded example, importance scores, masking drops."""
+
+    examples: dict[str, list[viz.Panel]]
+    importance: dict[str, Tensor]
+    drop: dict[str, Tensor]
+
+
+def inspect_heads(
+    model: Transformer, cfg: DemoConfig, ds: Dataset, max_len: int, out: Path, echo: Echo
+) -> Inspection:
+    """Step 4: capture and plot the attention of a few decoded examples, score every head two ways."""
     examples = look_inside(model, ds, report_pairs(cfg, ds), max_len)
     for label in examples:
         echo(f"  {label}")
@@ -325,14 +311,13 @@ def run(cfg: DemoConfig, out: str | Path, *, echo: Callable[[str], None] = print
             title=f"{kind} attention: {first_label}",
             path=out / f"attention_{fname}.png",
         )
-    dev_batches = ds.dev.batches(250)
-    score = heads.importance(model, dev_batches, teacher_loss)
+    score = heads.importance(model, ds.dev.batches(250), teacher_loss)
     viz.plot_importance(
         score,
         title="head importance (Michel et al. 2019, per-layer L2-normalised)",
         path=out / "importance.png",
     )
-    with Progress(n_heads, "mask each") as bar:
+    with Progress(sum(heads.head_counts(model).values()), "mask each") as bar:
         drop = heads.masking_drop(
             model,
             lambda m: exact_match(m, ds.dev, max_len, limit=cfg.drop_size),
@@ -344,11 +329,18 @@ def run(cfg: DemoConfig, out: str | Path, *, echo: Callable[[str], None] = print
         cmap="viridis",
         path=out / "masking_drop.png",
     )
+    return Inspection(examples, dict(score), dict(drop))
 
-    # -- prune ------------------------------------------------------------------------------------
+
+def prune_heads(
+    model: Transformer, cfg: DemoConfig, ds: Dataset, max_len: int, echo: Echo
+) -> heads.PruneResult:
+    """Step 5: prune as many heads as keep dev exact match within ``cfg.prune_budget`` points."""
     echo(
-        f"pruning: {cfg.prune_step:.0%} of the heads per step while dev accuracy stays within {cfg.prune_budget} point(s)"
+        f"pruning: {cfg.prune_step:.0%} of the heads per step while dev accuracy stays within "
+        f"{cfg.prune_budget} point(s)"
     )
+    dev_batches = ds.dev.batches(250)
     res = heads.prune_iteratively(
         model,
         lambda m: heads.importance(m, dev_batches, teacher_loss),
@@ -361,54 +353,91 @@ def run(cfg: DemoConfig, out: str | Path, *, echo: Callable[[str], None] = print
             + ("kept" if s.accepted else "rejected")
         ),
     )
-    pruned = res.model.eval()
-    small = Row("pruned", sum(heads.head_counts(pruned).values()), count_params(pruned), res.metric, 0.0, 0.0)
-    small.test = exact_match(pruned, ds.test, max_len)
-    small.speed = decode_speed(pruned, ds.test, max_len, cfg.speed_repeats)
+    res.model.eval()
+    return res
 
-    # -- save, reload, report ----------------------------------------------------------------------
-    torch.save(model.state_dict(), out / "model.pt")
-    torch.save(pruned.state_dict(), out / "model_pruned.pt")
-    (out / "config.json").write_text(
-        json.dumps(
-            {
-                "demo": asdict(cfg),
-                "src_vocab": ds.src_vocab.itos,
-                "tgt_vocab": ds.tgt_vocab.itos,
-                "pruned": res.pruned,
-            },
-            indent=1,
-        )
-    )
-    reloaded = heads.load_pruned(build_model(cfg, ds), torch.load(out / "model_pruned.pt")).eval()
+
+def save_and_reload(
+    out: Path,
+    cfg: DemoConfig,
+    ds: Dataset,
+    model: Transformer,
+    res: heads.PruneResult,
+    max_len: int,
+    echo: Echo,
+) -> bool:
+    """Step 6: save both models and the config; reload the pruned one safely; True if it predicts the same."""
+    saved = save_models(out, cfg, ds, model, res.model, res.pruned)
+    reloaded = checkpoint.load_model(
+        build_model(cfg, ds), saved.pruned
+    ).eval()  # torch.load(weights_only=True)
     same = all(
         torch.equal(a, b)
-        for a, b in zip(_predict(reloaded, ds.test, max_len), _predict(pruned, ds.test, max_len))
+        for a, b in zip(_predict(reloaded, ds.test, max_len), _predict(res.model, ds.test, max_len))
     )
     echo(
-        f"saved model.pt and model_pruned.pt; pruned checkpoint reloaded with heads.load_pruned: "
-        f"{'identical predictions' if same else 'PREDICTIONS DIFFER'}"
+        f"saved {saved.model.name}, {saved.pruned.name} and {saved.config.name}; the pruned checkpoint "
+        f"reloaded into a fresh model: {'identical predictions' if same else 'PREDICTIONS DIFFER'}"
     )
+    return same
 
-    rows = _table([full, small])
+
+def write_results(
+    out: Path,
+    cfg: DemoConfig,
+    ds: Dataset,
+    rows: list[Row],
+    res: heads.PruneResult,
+    seen: Inspection,
+    echo: Echo,
+) -> None:
+    """Step 7: the before/after table (printed and ``results.md``) and the HTML report."""
+    table = _table(rows)
     pruned_rows = [["module", "kind", "heads removed (original index)", "heads left"]] + [
         [name, heads.attention_kind(name), ", ".join(map(str, res.pruned.get(name, []))) or "-", str(h)]
-        for name, h in heads.head_counts(pruned).items()
+        for name, h in heads.head_counts(res.model).items()
     ]
-    echo("\n" + _text_table(rows) + "\n")
+    echo("\n" + _text_table(table) + "\n")
     (out / "results.md").write_text(
-        f"# multihead demo (seed {cfg.seed}, {ds.name})\n\n{_markdown(rows)}\n\n## Pruned heads\n\n"
+        f"# multihead demo (seed {cfg.seed}, {ds.name})\n\n{_markdown(table)}\n\n## Pruned heads\n\n"
         f"{_markdown(pruned_rows)}\n"
     )
     viz.write_report(
         out / "report.html",
-        examples,
-        importance=score,
-        drop=drop,
-        tables={"Before and after pruning": rows, "Pruned heads": pruned_rows},
+        seen.examples,
+        importance=seen.importance,
+        drop=seen.drop,
+        tables={"Before and after pruning": table, "Pruned heads": pruned_rows},
         images={"Training": (out / "training.png").read_bytes()},
         title=f"multihead demo: {ds.name}",
     )
+
+
+def run(cfg: DemoConfig, out: str | Path, *, echo: Echo = print) -> dict[str, object]:
+    """Run the whole demo, writing its artefacts under ``out``; returns the numbers it printed.
+
+    Artefacts: ``training.png``, ``attention_cross.png``, ``attention_encoder.png``,
+    ``attention_decoder.png``, ``importance.png``, ``masking_drop.png``, ``report.html``,
+    ``results.md``, ``model.pt``, ``model_pruned.pt`` and ``config.json`` (:mod:`multihead.demo.model`).
+    Raises :class:`ImportError` naming the ``viz`` extra before any work if matplotlib is missing.
+    """
+    check_dependencies()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    torch.manual_seed(cfg.seed)
+    ds = load_data(cfg, echo)
+    max_len = ds.max_target_len + 2
+    model, log = train_model(cfg, ds, max_len, out, echo)
+    full = evaluate("full", model, ds, cfg, max_len)
+    echo(
+        f"trained in {log.seconds:.0f} s: held-out exact match {full.test:.1f}% (test), {full.dev:.1f}% (dev)"
+    )
+    seen = inspect_heads(model, cfg, ds, max_len, out, echo)
+    res = prune_heads(model, cfg, ds, max_len, echo)
+    small = evaluate("pruned", res.model, ds, cfg, max_len, dev=res.metric)  # pruning measured dev already
+    same = save_and_reload(out, cfg, ds, model, res, max_len, echo)
+    write_results(out, cfg, ds, [full, small], res, seen, echo)
     echo(
         f"report: {out / 'report.html'} (and PNGs, results.md) in {out}/; "
         f"whole demo {time.perf_counter() - started:.0f} s"

@@ -129,16 +129,35 @@ def prune(module_or_model: nn.Module, heads: HeadSpec, *, inplace: bool = False)
     return model
 
 
-def load_pruned(model: nn.Module, state_dict: Mapping[str, Tensor], *, strict: bool = True) -> nn.Module:
+def load_pruned(
+    model: nn.Module,
+    state_dict: Mapping[str, Tensor],
+    *,
+    strict: bool = True,
+    head_counts: Mapping[str, tuple[int, int]] | None = None,
+) -> nn.Module:
     """Load a pruned checkpoint into a freshly built (unpruned) ``model`` of the same configuration.
 
-    Each attention module is first resized to the head counts the checkpoint's tensors imply
-    (H from ``out_proj.weight`` (O, H*Dv), Hkv from the K/V projection rows), then
-    ``model.load_state_dict(state_dict, strict=strict)`` fills in the weights. Returns ``model``::
+    Each attention module is first resized to the checkpoint's head counts, then
+    ``model.load_state_dict(state_dict, strict=strict)`` fills in the weights. Returns ``model``.
+
+    Args:
+        model: built with the same arguments as the model that was pruned and saved.
+        state_dict: the pruned model's ``state_dict()``, e.g. ``torch.load(path, weights_only=True)``.
+        strict: as in ``load_state_dict``; ``False`` also skips attention modules the checkpoint lacks.
+        head_counts: ``{module name: (H, Hkv)}`` as saved (:func:`multihead.checkpoint.save` stores them in
+            a ``.safetensors`` file's metadata). Modules not listed get theirs from the tensors' shapes:
+            H from ``out_proj.weight`` (O, H*Dv), Hkv from the K/V projection rows.
+
+    Load only files you trust with plain ``torch.load``; ``weights_only=True`` refuses pickled code::
 
         torch.save(pruned.state_dict(), "pruned.pt")
-        model = heads.load_pruned(Transformer(...same arguments...), torch.load("pruned.pt"))
+        state = torch.load("pruned.pt", weights_only=True)
+        model = heads.load_pruned(Transformer(...same arguments...), state)
+
+    :func:`multihead.checkpoint.load_model` does both steps, for ``.pt`` and ``.safetensors`` files.
     """
+    counts = dict(head_counts or {})
     for name, m in attention_modules(model).items():
         if not isinstance(m, MultiHeadAttention):
             raise TypeError(
@@ -151,25 +170,38 @@ def load_pruned(model: nn.Module, state_dict: Mapping[str, Tensor], *, strict: b
             if strict:
                 raise ValueError(f"state_dict has no {key!r}: is it a checkpoint of this model's class?")
             continue
-        dk, dv = m.head_dim, m.v_head_dim
-        cols = state_dict[key].shape[1]  # H*Dv
-        h = cols // dv
-        if m.in_proj_weight is not None:
-            kv_rows, kv_size = state_dict[f"{prefix}in_proj_weight"].shape[0] - h * dk, dk + dv  # Hkv*(Dk+Dv)
-        else:
-            kv_rows, kv_size = state_dict[f"{prefix}k_proj_weight"].shape[0], dk  # Hkv*Dk
-        hkv = kv_rows // kv_size
-        if cols % dv or kv_rows % kv_size or hkv <= 0 or h % hkv:
+        h, hkv = counts[name] if name in counts else _counts_from_shapes(m, name, state_dict, prefix)
+        if not (is_int(h, 1) and is_int(hkv, 1) and h % hkv == 0):
             raise ValueError(
-                f"checkpoint tensors of {name or 'the module'!r} do not fit head dims Dk={dk}, Dv={dv}: "
-                f"{key} has shape {tuple(state_dict[key].shape)}; build the model with the same "
-                f"head_dim/v_head_dim as the checkpoint's"
+                f"head_counts[{name!r}] must be (H, Hkv) with H a multiple of Hkv >= 1, got {(h, hkv)!r}"
             )
         if (h, hkv) != (m.num_heads, m.kv_heads):
             # any rows will do: load_state_dict overwrites them; index 0 exists in every projection
             _reshape_heads(m, [0] * h, [0] * hkv)
     model.load_state_dict(state_dict, strict=strict)
     return model
+
+
+def _counts_from_shapes(
+    m: MultiHeadAttention, name: str, state_dict: Mapping[str, Tensor], prefix: str
+) -> tuple[int, int]:
+    """(H, Hkv) implied by a checkpoint's projection shapes for module ``m`` (its Dk, Dv)."""
+    key = f"{prefix}out_proj.weight"
+    dk, dv = m.head_dim, m.v_head_dim
+    cols = state_dict[key].shape[1]  # H*Dv
+    h = cols // dv
+    if m.in_proj_weight is not None:
+        kv_rows, kv_size = state_dict[f"{prefix}in_proj_weight"].shape[0] - h * dk, dk + dv  # Hkv*(Dk+Dv)
+    else:
+        kv_rows, kv_size = state_dict[f"{prefix}k_proj_weight"].shape[0], dk  # Hkv*Dk
+    hkv = kv_rows // kv_size
+    if cols % dv or kv_rows % kv_size or hkv <= 0 or h % hkv:
+        raise ValueError(
+            f"checkpoint tensors of {name or 'the module'!r} do not fit head dims Dk={dk}, Dv={dv}: "
+            f"{key} has shape {tuple(state_dict[key].shape)}; build the model with the same "
+            f"head_dim/v_head_dim as the checkpoint's"
+        )
+    return h, hkv
 
 
 # ------------------------------------------------------------------------------------------------

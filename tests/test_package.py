@@ -1,0 +1,102 @@
+"""Packaging: one version, the declared dependencies match the imports, the dev pins mirror the extras,
+the docs state one Python version and point only inside the repository, every load is a safe load.
+
+The wheel itself is built, installed beside torch alone and smoke-tested by ``make test``
+(``tests/wheel_smoke.py``).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import multihead
+
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+PROJECT = PYPROJECT["project"]
+
+
+def name_of(requirement: str) -> str:
+    """``"Foo_Bar[x]>=1; extra == 'y'"`` -> ``"foo-bar"`` (PEP 503 normalised)."""
+    return re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9._-]+", requirement).group(0)).lower()
+
+
+def extra_names(extra: str) -> set[str]:
+    """Every distribution an extra pulls in, its ``multihead[...]`` self-references expanded."""
+    out: set[str] = set()
+    for req in PROJECT["optional-dependencies"][extra]:
+        inner = re.fullmatch(r"multihead\[([\w,]+)\]", req)
+        out |= set().union(*map(extra_names, inner.group(1).split(","))) if inner else {name_of(req)}
+    return out
+
+
+def test_one_version_source():
+    assert "version" not in PROJECT and PROJECT["dynamic"] == ["version"]
+    source = ROOT / PYPROJECT["tool"]["hatch"]["version"]["path"]
+    assert re.search(rf'^__version__ = "{re.escape(multihead.__version__)}"$', source.read_text(), re.M)
+
+
+def test_license_and_typing_ship():
+    assert PROJECT["license"] == "MIT" and PROJECT["license-files"] == ["LICENSE"]
+    assert (ROOT / "LICENSE").read_text().startswith("MIT License")
+    assert (ROOT / "src" / "multihead" / "py.typed").is_file()
+    assert "Typing :: Typed" in PROJECT["classifiers"]
+
+
+def test_core_depends_on_torch_only_and_extras_cover_the_optional_imports():
+    assert [name_of(r) for r in PROJECT["dependencies"]] == ["torch"]
+    extras = PROJECT["optional-dependencies"]
+    assert extra_names("all") == set().union(*(extra_names(e) for e in extras if e not in ("all", "dev")))
+    assert {"matplotlib"} <= extra_names("viz") and {"keras"} == extra_names("keras")
+    assert {"onnx", "onnxruntime", "onnxscript"} <= extra_names("onnx")
+    assert extra_names("transformers") == {"transformers"} and extra_names("safetensors") == {"safetensors"}
+
+
+def test_requirements_dev_pins_exactly_the_dev_extra_and_torch():
+    lines = [ln.split("#")[0].strip() for ln in (ROOT / "requirements-dev.txt").read_text().splitlines()]
+    pins = [ln for ln in lines if ln]
+    assert all(re.fullmatch(r"[A-Za-z0-9._-]+==[\w.+]+", p) for p in pins), "pin every line with =="
+    assert "torch==2.13.0" in pins  # the local CPU build; an unpinned torch would pull a CUDA build
+    assert {name_of(p) for p in pins} == extra_names("dev") | {"torch"}
+
+
+IMPORT_CHECK = """\
+import sys
+import multihead, multihead.core, multihead.nn, multihead.transformer, multihead.heads, multihead.viz
+import multihead.checkpoint, multihead.export, multihead.cli, multihead.demo.run, multihead.distributed
+import multihead.compat.torch, multihead.compat.d2l
+optional = {"matplotlib", "keras", "onnx", "onnxruntime", "onnxscript", "transformers", "safetensors",
+            "tensorflow", "jax"}
+print(sorted({m.split(".")[0] for m in sys.modules} & optional))
+"""
+
+
+def test_importing_the_package_imports_no_optional_dependency():
+    """(numpy is left out here: torch imports it when installed; the wheel smoke test runs without it.)"""
+    out = subprocess.run(
+        [sys.executable, "-c", IMPORT_CHECK], capture_output=True, text=True, check=True,
+        env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"},
+    ).stdout  # fmt: skip
+    assert out.strip() == "[]"
+
+
+def test_docs_state_the_python_version_of_pyproject_and_stay_inside_the_repository():
+    assert PROJECT["requires-python"] == ">=3.11"
+    readme = (ROOT / "README.md").read_text()
+    stated = set(re.findall(r"Python (?:>= ?)?3\.\d+\+?", readme))
+    assert stated == {"Python >= 3.11"}, stated
+    pages = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "src").rglob("*.py")]
+    for page in pages:
+        text = page.read_text()
+        assert "../shared" not in text and "DESIGN.md" not in text, page
+
+
+def test_every_torch_load_in_the_library_and_docs_is_a_safe_load():
+    pages = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "src").rglob("*.py")]
+    for page in pages:
+        for call in re.findall(r"torch\.load\([^)]*\)", page.read_text()):
+            assert "weights_only=True" in call, f"{page.name}: {call}"

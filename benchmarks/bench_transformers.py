@@ -28,7 +28,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
     rounds, new_tokens = (2, 4) if args.quick else (args.rounds, args.new_tokens)
     records = run(rounds, new_tokens)
     meta = {
-        "when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "when": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "torch": torch.__version__,
         "transformers": T.__version__,
         "python": platform.python_version(),

@@ -33,9 +33,13 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-import keras
-from keras import ops
-from keras.src.backend import get_keras_mask, set_keras_mask  # what Keras's own layer uses for masks
+from .._extras import require
+
+require("keras", ("keras",), "multihead.compat.keras")
+
+import keras  # noqa: E402
+from keras import ops  # noqa: E402
+from keras.src.backend import get_keras_mask, set_keras_mask  # noqa: E402 -- what Keras's own layer uses for masks
 
 __all__ = ["MultiHeadAttention"]
 

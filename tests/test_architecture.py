@@ -168,10 +168,11 @@ LAYER_RULES = [
 ]
 # The data flow of docs/architecture.md: a module may import only from its own rank or below.
 RANKS = {
+    "_extras": 0,  # optional-dependency checks: imports nothing of multihead, usable from every layer
     "core": 0,
     "nn": 1,
     **dict.fromkeys(("transformer", "heads", "viz", "distributed"), 2),
-    **dict.fromkeys(("", "compat", "integrations"), 3),  # "": the package's __init__, the public names
+    **dict.fromkeys(("", "compat", "integrations", "checkpoint"), 3),  # "": the package's __init__, the public names
     **dict.fromkeys(("export", "cli", "bench", "demo", "testing", "__main__"), 4),
 }
 

@@ -1,7 +1,9 @@
 """Ring attention over torch.distributed, checked against single-process multihead.attention.
 
-Every check that needs several processes runs inside ONE spawned job per world size (process start-up
-dominates the cost); the job returns the errors it measured and the tests here assert on them.
+Every check that needs several processes runs inside ONE job per world size, started with
+``launch(..., start_method="fork")`` (a forked rank starts in milliseconds, a spawned one re-imports
+torch); the job returns the errors it measured and the tests here assert on them. The timeout test
+keeps the default spawn path covered.
 """
 
 from __future__ import annotations
@@ -272,7 +274,7 @@ def _case_failures(per_rank):
 
 
 def test_two_ranks():
-    per_rank = mhd.launch(_job, 2, (CASES, True), timeout=150)
+    per_rank = mhd.launch(_job, 2, (CASES, True), timeout=150, start_method="fork")
     failures = _case_failures(per_rank)
     assert not failures, "\n".join(failures)
 
@@ -296,7 +298,7 @@ def test_two_ranks():
 
 
 def test_four_ranks():
-    failures = _case_failures(mhd.launch(_job, 4, (CASES, False), timeout=150))
+    failures = _case_failures(mhd.launch(_job, 4, (CASES, False), timeout=150, start_method="fork"))
     assert not failures, "\n".join(failures)
 
 
@@ -328,7 +330,7 @@ def _assert_gone(pid_dir):
 
 def test_launch_kills_every_rank_when_one_fails(tmp_path):
     with pytest.raises(RuntimeError, match="rank 0 gives up"):
-        mhd.launch(_fail_or_block, 2, (str(tmp_path),), timeout=60)
+        mhd.launch(_fail_or_block, 2, (str(tmp_path),), timeout=60, start_method="fork")
     _assert_gone(tmp_path)
 
 
@@ -336,6 +338,18 @@ def test_launch_kills_every_rank_on_timeout(tmp_path):
     with pytest.raises(TimeoutError, match="did not finish"):
         mhd.launch(_hang, 1, (str(tmp_path),), timeout=5)
     _assert_gone(tmp_path)
+
+
+def test_launch_fork_runs_a_function_defined_anywhere():
+    """start_method='fork' needs no importable function (a closure here); each rank runs one thread."""
+    offset = 10
+
+    def rank_and_threads():
+        return dist.get_rank() + offset, dist.get_world_size(), torch.get_num_threads()
+
+    assert mhd.launch(rank_and_threads, 2, start_method="fork", timeout=60) == [(10, 2, 1), (11, 2, 1)]
+    with pytest.raises(ValueError, match="start_method must be"):
+        mhd.launch(rank_and_threads, 2, start_method="thread")
 
 
 # ------------------------------------------------------------------------------------------------

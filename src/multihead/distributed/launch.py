@@ -1,6 +1,6 @@
 """Several processes on one machine, sharing one ``torch.distributed`` process group.
 
-:func:`launch` spawns the ranks, initialises the group on 127.0.0.1 and a free port, runs a function
+:func:`launch` starts the ranks, initialises the group on 127.0.0.1 and a free port, runs a function
 on every rank and returns the results in rank order; a failure or a timeout kills every rank.
 """
 
@@ -35,8 +35,11 @@ def _launched(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     results: Any,
+    one_thread: bool,
 ) -> None:
     try:
+        if one_thread:  # a forked child must not use the parent's OpenMP pool (it did not survive fork)
+            torch.set_num_threads(1)
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
@@ -61,24 +64,39 @@ def launch(
     *,
     backend: str = "gloo",
     timeout: float = 300.0,
+    start_method: str = "spawn",
 ) -> list[Any]:
     """Run ``fn(*args)`` in ``world_size`` fresh local processes that share one process group.
 
     Each process initialises ``torch.distributed`` (``backend``: ``"gloo"`` for CPU, ``"nccl"`` with one
-    GPU per rank) on 127.0.0.1 and a free port, calls ``fn`` (a module-level function, so it can be
-    pickled) and returns its (picklable) result; the list of results is in rank order. If a rank
+    GPU per rank) on 127.0.0.1 and a free port, calls ``fn`` and returns its (picklable) result; the
+    list of results is in rank order.
+
+    ``start_method="spawn"`` (default) starts fresh interpreters: ``fn`` must be importable (a
+    module-level function of a module, not of ``__main__`` in a notebook) and ``args`` picklable.
+    ``"fork"`` (POSIX, CPU only) copies this process instead, so ``fn`` may be defined anywhere -- a
+    notebook, a doc page, an interactive session -- and each rank starts in a fraction of the time;
+    each forked rank runs with one torch thread (OpenMP thread pools do not survive ``fork``). If a rank
     raises, dies, or the whole run takes longer than ``timeout`` seconds, every process is killed and a
     ``RuntimeError``/``TimeoutError`` (with the rank's traceback) is raised: no process is left running.
     For several machines use ``torchrun`` instead (see docs/distributed.md).
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    ctx = torch.multiprocessing.get_context("spawn")
+    if start_method not in ("spawn", "fork"):
+        raise ValueError(f"start_method must be 'spawn' or 'fork', got {start_method!r}")
+    if start_method == "fork" and backend == "nccl":
+        raise ValueError(
+            "start_method='fork' cannot start CUDA ranks (CUDA does not survive fork); use 'spawn'"
+        )
+    ctx = torch.multiprocessing.get_context(start_method)
     results = ctx.Queue()
     port = _free_port()
     procs = [
         ctx.Process(
-            target=_launched, args=(r, world_size, port, backend, timeout, fn, args, results), daemon=True
+            target=_launched,
+            args=(r, world_size, port, backend, timeout, fn, args, results, start_method == "fork"),
+            daemon=True,
         )
         for r in range(world_size)
     ]

@@ -231,6 +231,7 @@ def _summarise(cfg: dict, cases: list[Case], per_rank: list[dict]) -> dict:
         secs, mib = [s for s, _ in rounds[c]], [m for _, m in rounds[c]]
         row = {
             **asdict(c),
+            "kinds": _kinds(cfg, c),
             "tokens_per_rank": -(-c.total // c.world),
             "seconds": _spread(secs),
             "peak_mib": _spread(mib),
@@ -289,7 +290,7 @@ def _markdown(res: dict) -> str:
         ("peer", "Single process"),
     )
     for kind, title in titles:
-        rows = [r for r in res["cases"] if kind in r["kinds"]]
+        rows = sorted((r for r in res["cases"] if kind in r["kinds"]), key=lambda r: (r["world"], r["total"]))
         if not rows:
             continue
         lines += [
@@ -336,8 +337,8 @@ def _plot(res: dict, path: Path) -> None:
         )
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    strong = [r for r in res["cases"] if "strong" in r["kinds"]]
-    weak = [r for r in res["cases"] if "weak" in r["kinds"]]
+    strong = sorted((r for r in res["cases"] if "strong" in r["kinds"]), key=lambda r: r["world"])
+    weak = sorted((r for r in res["cases"] if "weak" in r["kinds"]), key=lambda r: r["world"])
     peer = {r["total"]: r for r in res["cases"] if "peer" in r["kinds"]}
     ps = [r["world"] for r in strong]
     total = strong[0]["total"]
@@ -388,7 +389,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: CPUs // ranks)")
     parser.add_argument("--name", default="ring_cpu", help="results file stem under benchmarks/results/")
+    parser.add_argument("--replot", action="store_true", help="only rewrite the .md and .png from the .json")
     cfg = vars(parser.parse_args())
+    stem = RESULTS / cfg.pop("name")
+    if cfg.pop("replot"):
+        res = json.loads(stem.with_suffix(".json").read_text())
+        for row in res["cases"]:
+            row["kinds"] = _kinds(res["config"], Case(row["impl"], row["world"], row["total"]))
+        _write(res, stem)
+        return
     # glibc: hand every block >= 64 KiB straight back to the kernel, so the resident set follows the live
     # tensors and its peak is the rank's peak (inherited by the spawned ranks).
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
@@ -406,8 +415,12 @@ def main() -> None:
         for p in cfg["worlds"]
     ]
 
-    RESULTS.mkdir(exist_ok=True)
-    stem = RESULTS / cfg["name"]
+    _write(res, stem)
+
+
+def _write(res: dict, stem: Path) -> None:
+    """``stem``.json (every number), .md (the tables), .png (the plots)."""
+    stem.parent.mkdir(exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
     stem.with_suffix(".md").write_text(_markdown(res))
     _plot(res, stem.with_suffix(".png"))

@@ -35,6 +35,7 @@ from .blocks import (
     KERNELS,
     Block,
     BlockInputs,
+    Grads,
     SoftmaxState,
     block_backward,
     block_forward,
@@ -459,7 +460,8 @@ def _add_rows(
     return dq
 
 
-def _add_cols(acc: list[Tensor], grads: Any, blk: Block | None) -> None:
+def _add_cols(acc: list[Tensor], grads: Grads | None, blk: Block | None) -> None:
+    """Add a block's dk, dv (B, Hkv, m, D*) into the shard's accumulators at its columns."""
     if grads is None or blk is None:
         return
     acc[0][:, :, blk.cols] += grads.dk  # (B, Hkv, m, Dk)

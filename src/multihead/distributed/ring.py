@@ -363,12 +363,12 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None, plan
             part = block_forward(
                 BlockInputs(qa, prepare(kb, dtype), prepare(vb, dtype)), blk, plan.scale, plan.kernel
             )
-            state = _absorb(state, part, blk, q.shape, v.shape[-1], dtype)
+            state = _absorb(state, part, blk, q, v.shape[-1], dtype)
         relay.wait()
         if nxt is not None:
             msg = nxt
     if state is None:  # no query of this rank sees any key
-        state = _absorb(None, None, None, q.shape, v.shape[-1], dtype)
+        state = _absorb(None, None, None, q, v.shape[-1], dtype)
     return state
 
 
@@ -376,20 +376,19 @@ def _absorb(
     state: SoftmaxState | None,
     part: SoftmaxState | None,
     blk: Block | None,
-    q_shape: torch.Size,
+    q: Tensor,
     dv: int,
     dtype: torch.dtype,
 ) -> SoftmaxState:
-    """The running state after ``part`` (a block over rows ``blk.rows``); the first full-rows block is taken
-    as it is, without a copy."""
-    b, h, lq, _ = q_shape
+    """The running state after ``part`` (a block over rows ``blk.rows`` of the queries ``q``); the first
+    full-rows block is taken as it is, without a copy."""
+    b, h, lq, _ = q.shape
     if state is None and part is not None and blk is not None and blk.n == lq:
         return part
     if state is None:
-        device = part.out.device if part is not None else None
         state = SoftmaxState(
-            torch.zeros(b, h, lq, dv, dtype=dtype, device=device),  # (B, H, Lq, Dv)
-            torch.full((b, h, lq), float("-inf"), dtype=dtype, device=device),  # (B, H, Lq)
+            q.new_zeros((b, h, lq, dv), dtype=dtype),  # (B, H, Lq, Dv)
+            q.new_full((b, h, lq), float("-inf"), dtype=dtype),  # (B, H, Lq)
         )
     if part is not None and blk is not None:
         merge_into(SoftmaxState(state.out[:, :, blk.rows], state.lse[:, :, blk.rows]), part)
@@ -441,7 +440,9 @@ def _ring_backward(
         if nxt is not None:
             msg = nxt
     grad_relay.wait()
-    dk, dv = incoming if plan.world > 1 else acc  # type: ignore[misc]
+    home = incoming if plan.world > 1 else acc  # this rank's own shard's dK, dV, complete
+    assert home is not None
+    dk, dv = home
     if dq is None:  # no query of this rank sees any key
         dq = torch.zeros_like(qa)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

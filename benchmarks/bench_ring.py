@@ -1,9 +1,15 @@
-"""Ring attention scaling: time and peak memory per rank over 1, 2, 4 ... processes.
+"""Ring attention: time and peak memory per rank over 1, 2, 4 ... processes, against one process.
 
 * strong scaling: a fixed total sequence split over P ranks;
 * weak scaling: a fixed number of tokens per rank, so the total grows with P;
-* causal load balance: score entries each rank computes, contiguous vs zigzag (counted, not timed);
-* baseline: single-process ``multihead.attention`` (fused SDPA) on the whole sequence.
+* the peer: single-process ``multihead.attention`` on the same total, measured in the same run;
+* causal load balance: score entries each rank computes, contiguous vs zigzag (counted, not timed).
+
+Every case runs once per round and the rounds interleave the cases (in a shuffled order, the same on
+every rank), so a slow spell of a shared machine lands on all of them; each number is the median over
+the rounds with its interquartile range, and each ratio is taken round by round (ring and peer measured
+seconds apart) before its median and IQR. All cases run in ONE launch of max(P) processes: a case on P
+ranks uses the process group of ranks 0..P-1, while the others wait at a barrier.
 
 CPU with gloo (the processes are spawned here)::
 
@@ -26,10 +32,12 @@ import gc
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
 import time
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -40,6 +48,20 @@ import multihead as mh
 from multihead import distributed as mhd
 
 RESULTS = Path(__file__).resolve().parent / "results"
+TARGETS = {"time": 1.3, "memory": 1.5}  # one rank vs multihead.attention (issue 14)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One measured configuration: ``impl`` "ring" on ``world`` ranks or "attention" (one process)."""
+
+    impl: str
+    world: int
+    total: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.impl} P={self.world} L={self.total}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -87,49 +109,69 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def rank_job(cfg: dict, total: int, single: bool) -> dict:
-    """One fwd+bwd timing and memory measurement on this rank (``single``: plain multihead.attention)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(cfg["threads"] or max(1, (os.cpu_count() or 1) // world))
+def _inputs(cfg: dict, case: Case, rank: int, device: torch.device) -> list[torch.Tensor]:
+    """q, k, v (leaves) and the output gradient of this rank's shard: (B, H|Hkv, L_r, D)."""
+    b, h, hkv, d = cfg["batch"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
+    lr = len(mhd.shard(torch.arange(case.total), 0, rank, case.world, cfg["layout"]))  # this rank's tokens
+    gen = torch.Generator(device="cpu").manual_seed(rank)
+    dtype = getattr(torch, cfg["dtype"])
+    return [
+        torch.randn(b, n, lr, d, generator=gen).to(device, dtype).requires_grad_(i < 3)
+        for i, n in enumerate((h, hkv, hkv, h))
+    ]
+
+
+def rank_job(cfg: dict, cases: list[Case]) -> dict:
+    """Every round runs every case once (shuffled order); returns this rank's seconds and peak bytes."""
+    rank = dist.get_rank()
     device = torch.device("cpu")
     if dist.get_backend() == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
-    dtype = getattr(torch, cfg["dtype"])
-    b, h, hkv, d, layout = cfg["batch"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"], cfg["layout"]
-    lr = len(mhd.shard(torch.arange(total), 0, rank, world, layout))  # this rank's tokens
-    gen = torch.Generator(device="cpu").manual_seed(rank)
-    q, k, v, g = (
-        torch.randn(b, n, lr, d, generator=gen).to(device, dtype).requires_grad_(i < 3)
-        for i, n in enumerate((h, hkv, hkv, h))
-    )
+    worlds = sorted({c.world for c in cases})
+    groups = {p: dist.new_group(list(range(p))) for p in worlds}  # every rank creates every group
+    cpus = os.cpu_count() or 1
+    tensors = {c: _inputs(cfg, c, rank, device) for c in cases if rank < c.world}
 
-    def step() -> None:
+    def step(case: Case) -> None:
+        q, k, v, g = tensors[case]
         for t in (q, k, v):
             t.grad = None
-        if single:
+        if case.impl == "attention":
             out = mh.attention(q, k, v, causal=cfg["causal"])
         else:
-            out = mhd.ring_attention(q, k, v, causal=cfg["causal"], layout=layout)
+            out = mhd.ring_attention(
+                q, k, v, causal=cfg["causal"], layout=cfg["layout"], group=groups[case.world]
+            )
         (out * g).sum().backward()
         _sync(device)
 
-    step()  # warm-up (allocator, gloo connections)
-    times = []
-    for _ in range(cfg["repeats"]):
+    def measure(case: Case) -> tuple[float, int] | None:
         dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
+        if rank >= case.world:
+            return None
+        torch.set_num_threads(cfg["threads"] or max(1, cpus // case.world))
+        dist.barrier(group=groups[case.world])
+        with _PeakMemory(device) as mem:
+            t0 = time.perf_counter()
+            step(case)
+            seconds = time.perf_counter() - t0
+        return seconds, mem.peak
+
+    for case in cases:  # warm-up: allocator, gloo connections, kernels
+        measure(case)
+    rng = random.Random(0)  # the same order on every rank
+    rows: dict[str, list] = {c.label: [] for c in cases}
+    for r in range(cfg["rounds"]):
+        order = list(cases)
+        rng.shuffle(order)
+        for case in order:
+            got = measure(case)
+            if got is not None:
+                rows[case.label].append(got)
+        if rank == 0:
+            _progress(r + 1, cfg["rounds"], f"round {r + 1}")
     dist.barrier()
-    with _PeakMemory(device) as mem:
-        step()
-    return {
-        "rank": rank,
-        "tokens": lr,
-        "threads": torch.get_num_threads(),
-        "seconds": statistics.median(times),
-        "peak_bytes": mem.peak,
-    }
+    return {"rank": rank, "rows": rows}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -139,10 +181,16 @@ def rank_job(cfg: dict, total: int, single: bool) -> dict:
 
 def _progress(i: int, n: int, label: str) -> None:
     done = int(30 * i / n)
-    sys.stderr.write(f"\r[{'#' * done}{' ' * (30 - done)}] {i}/{n} {label:<40}")
+    sys.stderr.write(f"\r[{'#' * done}{' ' * (30 - done)}] {i}/{n} {label:<30}")
     sys.stderr.flush()
     if i == n:
         sys.stderr.write("\n")
+
+
+def _spread(values: list[float]) -> dict:
+    """Median and interquartile range."""
+    q1, med, q3 = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else values * 3
+    return {"median": med, "q1": q1, "q3": q3}
 
 
 def _environment(cfg: dict) -> dict:
@@ -160,7 +208,7 @@ def _environment(cfg: dict) -> dict:
         "load_average_at_start": os.getloadavg(),
         "backend": cfg["backend"],
         "git_commit": commit,
-        "note": "shared machine: other jobs ran at the same time; times are noisy, memory is not",
+        "note": "shared machine: other jobs ran at the same time; times are noisy, ratios are per round",
     }
     if cfg["backend"] == "nccl":
         env["gpu"] = torch.cuda.get_device_name(0)
@@ -168,46 +216,98 @@ def _environment(cfg: dict) -> dict:
     return env
 
 
-def _run(cfg: dict, world: int, total: int, single: bool = False) -> dict:
-    ranks = mhd.launch(rank_job, world, (cfg, total, single), backend=cfg["backend"], timeout=600)
-    return {
-        "world": world,
-        "total_tokens": total,
-        "seconds_max": max(r["seconds"] for r in ranks),
-        "peak_mib_max": max(r["peak_bytes"] for r in ranks) / 2**20,
-        "ranks": ranks,
-    }
+def _summarise(cfg: dict, cases: list[Case], per_rank: list[dict]) -> dict:
+    """Per case: per-round slowest-rank seconds and largest peak; medians, IQRs, ratios to the peer."""
+    rounds = {}
+    for c in cases:
+        ranks = [r["rows"][c.label] for r in per_rank if r["rank"] < c.world]
+        rounds[c] = [
+            (max(rk[i][0] for rk in ranks), max(rk[i][1] for rk in ranks) / 2**20)
+            for i in range(cfg["rounds"])
+        ]
+    peer = {c.total: c for c in cases if c.impl == "attention"}
+    out = []
+    for c in cases:
+        secs, mib = [s for s, _ in rounds[c]], [m for _, m in rounds[c]]
+        row = {
+            **asdict(c),
+            "kinds": _kinds(cfg, c),
+            "tokens_per_rank": -(-c.total // c.world),
+            "seconds": _spread(secs),
+            "peak_mib": _spread(mib),
+        }
+        if c.impl == "ring" and c.total in peer:
+            p = rounds[peer[c.total]]
+            row["time_ratio"] = _spread([s / ps for (s, _), (ps, _) in zip(rounds[c], p)])
+            row["memory_ratio"] = _spread([m / pm for (_, m), (_, pm) in zip(rounds[c], p)])
+        row["rounds"] = rounds[c]
+        out.append(row)
+    return {"cases": out}
+
+
+def _kinds(cfg: dict, c: Case) -> list[str]:
+    """Which tables a case belongs to: "strong" (fixed total), "weak" (fixed per rank), "peer"."""
+    if c.impl == "attention":
+        return ["peer"]
+    kinds = ["strong"] if c.total == cfg["total"] else []
+    return kinds + (["weak"] if cfg["per_rank"] and c.total == cfg["per_rank"] * c.world else [])
+
+
+def _fmt(s: dict, digits: int = 3) -> str:
+    return f"{s['median']:.{digits}f} [{s['q1']:.{digits}f}, {s['q3']:.{digits}f}]"
 
 
 def _markdown(res: dict) -> str:
-    cfg = res["config"]
+    cfg, env = res["config"], res["environment"]
     lines = [
-        f"# Ring attention scaling ({res['environment']['backend']})",
+        f"# Ring attention scaling ({env['backend']})",
         "",
         f"B={cfg['batch']}, H={cfg['heads']}, Hkv={cfg['kv_heads']}, D={cfg['head_dim']}, {cfg['dtype']}, "
-        f"causal={cfg['causal']}, layout={cfg['layout']}; forward + backward, median of {cfg['repeats']}; "
-        f"memory = peak per rank above the inputs. Environment in the JSON "
-        f"({res['environment']['cpu_count']} CPUs, load average {res['environment']['load_average_at_start']}).",
+        f"causal={cfg['causal']}, layout={cfg['layout']}; forward + backward. Median [interquartile range] over "
+        f"{cfg['rounds']} interleaved rounds; time = slowest rank, memory = largest peak per rank above its "
+        f"inputs; ratios are taken round by round against single-process `multihead.attention` on the same "
+        f"total. Environment in the JSON ({env['cpu_count']} CPUs shared with other jobs, load average "
+        f"{tuple(round(x, 1) for x in env['load_average_at_start'])}).",
         "",
     ]
-    for key, title in (("strong", "Fixed total sequence"), ("weak", "Fixed tokens per rank")):
+    one = [r for r in res["cases"] if r["impl"] == "ring" and r["world"] == 1 and "strong" in r["kinds"]]
+    if one:
+        r = one[0]
+        t, m = r["time_ratio"], r["memory_ratio"]
+        lines += [
+            "## One rank vs `multihead.attention`",
+            "",
+            "| L | time ratio | target | peak memory ratio | target |",
+            "|---|---|---|---|---|",
+            f"| {r['total']} | {_fmt(t, 2)} | <= {TARGETS['time']} "
+            f"({'met' if t['median'] <= TARGETS['time'] else 'missed'}) | {_fmt(m, 2)} | <= {TARGETS['memory']} "
+            f"({'met' if m['median'] <= TARGETS['memory'] else 'missed'}) |",
+            "",
+        ]
+    titles = (
+        ("strong", "Fixed total sequence"),
+        ("weak", "Fixed tokens per rank"),
+        ("peer", "Single process"),
+    )
+    for kind, title in titles:
+        rows = sorted((r for r in res["cases"] if kind in r["kinds"]), key=lambda r: (r["world"], r["total"]))
+        if not rows:
+            continue
         lines += [
             f"## {title}",
             "",
-            "| ranks | total tokens | tokens/rank | time (s) | peak MiB/rank |",
-            "|---|---|---|---|---|",
+            "| impl | ranks | total tokens | tokens/rank | time (s) | peak MiB/rank | time / peer | memory / peer |",
+            "|---|---|---|---|---|---|---|---|",
         ]
-        for row in res[key]:
+        for r in rows:
+            tr = _fmt(r["time_ratio"], 2) if "time_ratio" in r else "-"
+            mr = _fmt(r["memory_ratio"], 2) if "memory_ratio" in r else "-"
             lines.append(
-                f"| {row['world']} | {row['total_tokens']} | {row['ranks'][0]['tokens']} | "
-                f"{row['seconds_max']:.3f} | {row['peak_mib_max']:.1f} |"
+                f"| {r['impl']} | {r['world']} | {r['total']} | {r['tokens_per_rank']} | {_fmt(r['seconds'])} | "
+                f"{_fmt(r['peak_mib'], 1)} | {tr} | {mr} |"
             )
         lines.append("")
-    base = res["baseline"]
     lines += [
-        f"Single-process `multihead.attention` (fused SDPA) on the same {base['total_tokens']} tokens: "
-        f"{base['seconds_max']:.3f} s, {base['peak_mib_max']:.1f} MiB.",
-        "",
         "## Causal load balance (score entries per rank, per batch and head)",
         "",
         "| ranks | contiguous: max / mean | zigzag: max / mean |",
@@ -228,28 +328,34 @@ def _plot(res: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    strong, weak = res["strong"], res["weak"]
+    def err(rows: list[dict], key: str) -> tuple[list, list, list]:
+        med = [r[key]["median"] for r in rows]
+        return (
+            med,
+            [m - r[key]["q1"] for m, r in zip(med, rows)],
+            [r[key]["q3"] - m for m, r in zip(med, rows)],
+        )
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    strong = sorted((r for r in res["cases"] if "strong" in r["kinds"]), key=lambda r: r["world"])
+    weak = sorted((r for r in res["cases"] if "weak" in r["kinds"]), key=lambda r: r["world"])
+    peer = {r["total"]: r for r in res["cases"] if "peer" in r["kinds"]}
     ps = [r["world"] for r in strong]
-    mem = [r["peak_mib_max"] for r in strong]
-    axes[0].plot(ps, mem, "o-", label="ring attention, measured")
-    axes[0].plot(ps, [mem[0] / p for p in ps], "k--", label="1/P")
-    axes[0].axhline(res["baseline"]["peak_mib_max"], color="gray", ls=":", label="single-process SDPA")
-    axes[0].set(
-        xlabel="ranks P",
-        ylabel="peak MiB per rank",
-        title=f"memory, {strong[0]['total_tokens']} tokens total",
-    )
-    axes[1].plot(
-        ps, [r["seconds_max"] for r in strong], "o-", label=f"fixed total ({strong[0]['total_tokens']})"
-    )
-    axes[1].plot(
-        [r["world"] for r in weak],
-        [r["seconds_max"] for r in weak],
-        "s-",
-        label=f"fixed per rank ({weak[0]['total_tokens']})",
-    )
-    axes[1].set(xlabel="ranks P", ylabel="seconds (fwd + bwd, slowest rank)", title="time")
+    total = strong[0]["total"]
+    mem, lo, hi = err(strong, "peak_mib")
+    axes[0].errorbar(ps, mem, yerr=[lo, hi], fmt="o-", capsize=3, label="ring attention, measured")
+    axes[0].plot(ps, [mem[0] / p for p in ps], "k--", label="1/P of one rank")
+    if total in peer:
+        axes[0].axhline(peer[total]["peak_mib"]["median"], color="gray", ls=":", label="multihead.attention")
+    axes[0].set(xlabel="ranks P", ylabel="peak MiB per rank", title=f"memory, {total} tokens total")
+    for rows, marker, label in ((strong, "o-", f"fixed total ({total})"), (weak, "s-", "fixed per rank")):
+        t, lo, hi = err(rows, "seconds")
+        axes[1].errorbar([r["world"] for r in rows], t, yerr=[lo, hi], fmt=marker, capsize=3, label=label)
+    if total in peer:
+        axes[1].axhline(
+            peer[total]["seconds"]["median"], color="gray", ls=":", label=f"multihead.attention ({total})"
+        )
+    axes[1].set(xlabel="ranks P", ylabel="seconds (fwd + bwd, slowest rank)", title="time (median, IQR)")
     for layout, marker in (("contiguous", "o-"), ("zigzag", "s-")):
         axes[2].plot(
             [r["world"] for r in res["balance"]],
@@ -272,7 +378,7 @@ def main() -> None:
     parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--total", type=int, default=4096, help="strong scaling: total tokens")
-    parser.add_argument("--per-rank", type=int, default=1024, help="weak scaling: tokens per rank")
+    parser.add_argument("--per-rank", type=int, default=1024, help="weak scaling: tokens per rank (0: skip)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=2)
@@ -280,31 +386,41 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--layout", default="zigzag", choices=mhd.LAYOUTS)
     parser.add_argument("--no-causal", dest="causal", action="store_false")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: CPUs // ranks)")
     parser.add_argument("--name", default="ring_cpu", help="results file stem under benchmarks/results/")
+    parser.add_argument("--replot", action="store_true", help="only rewrite the .md and .png from the .json")
     cfg = vars(parser.parse_args())
+    stem = RESULTS / cfg.pop("name")
+    if cfg.pop("replot"):
+        res = json.loads(stem.with_suffix(".json").read_text())
+        for row in res["cases"]:
+            row["kinds"] = _kinds(res["config"], Case(row["impl"], row["world"], row["total"]))
+        _write(res, stem)
+        return
     # glibc: hand every block >= 64 KiB straight back to the kernel, so the resident set follows the live
     # tensors and its peak is the rank's peak (inherited by the spawned ranks).
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
 
-    res: dict = {"config": cfg, "environment": _environment(cfg), "strong": [], "weak": []}
-    jobs = [("strong", p, cfg["total"]) for p in cfg["worlds"]] + [
-        ("weak", p, cfg["per_rank"] * p) for p in cfg["worlds"]
-    ]
-    for i, (kind, world, total) in enumerate(jobs):
-        _progress(i, len(jobs) + 1, f"{kind} P={world} L={total}")
-        res[kind].append(_run(cfg, world, total))
-    _progress(len(jobs), len(jobs) + 1, "baseline: single-process SDPA")
-    res["baseline"] = _run(cfg, 1, cfg["total"], single=True)
-    _progress(len(jobs) + 1, len(jobs) + 1, "done")
+    rings = [Case("ring", p, cfg["total"]) for p in cfg["worlds"]]
+    if cfg["per_rank"]:
+        rings += [Case("ring", p, cfg["per_rank"] * p) for p in cfg["worlds"]]
+    cases = list(dict.fromkeys(rings))  # a case in both scalings is measured once
+    cases += [Case("attention", 1, t) for t in sorted({c.total for c in cases})]
+    res: dict = {"config": cfg, "environment": _environment(cfg)}
+    per_rank = mhd.launch(rank_job, max(cfg["worlds"]), (cfg, cases), backend=cfg["backend"], timeout=3000)
+    res.update(_summarise(cfg, cases, per_rank))
     res["balance"] = [
         {"world": p, **{lay: mhd.causal_work(cfg["total"], p, lay) for lay in ("contiguous", "zigzag")}}
         for p in cfg["worlds"]
     ]
 
-    RESULTS.mkdir(exist_ok=True)
-    stem = RESULTS / cfg["name"]
+    _write(res, stem)
+
+
+def _write(res: dict, stem: Path) -> None:
+    """``stem``.json (every number), .md (the tables), .png (the plots)."""
+    stem.parent.mkdir(exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
     stem.with_suffix(".md").write_text(_markdown(res))
     _plot(res, stem.with_suffix(".png"))

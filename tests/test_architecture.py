@@ -172,7 +172,9 @@ RANKS = {
     "core": 0,
     "nn": 1,
     **dict.fromkeys(("transformer", "heads", "viz", "distributed"), 2),
-    **dict.fromkeys(("", "compat", "integrations", "checkpoint"), 3),  # "": the package's __init__, the public names
+    **dict.fromkeys(
+        ("", "compat", "integrations", "checkpoint"), 3
+    ),  # "": the package's __init__, the public names
     **dict.fromkeys(("export", "cli", "bench", "demo", "testing", "__main__"), 4),
 }
 

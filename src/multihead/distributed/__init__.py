@@ -1,19 +1,26 @@
 """Exact ring attention over ``torch.distributed``: one sequence split across processes and machines.
 
-Dimensions: B batch, H query heads, Hkv key/value heads (H % Hkv == 0), G = H // Hkv, P ranks in the
-process group, r this rank, L a total (global) sequence length, Lq/Lk this rank's local query/key lengths,
-n/m the query rows/key columns one block step works on, Dk query/key head dim, Dv value head dim.
+Dimensions: B batch, H query heads, Hkv key/value heads (H % Hkv == 0), P ranks in the process group,
+L a total (global) sequence length, Lq/Lk this rank's local query/key lengths, Dk/Dv head dims.
 
 Each rank holds a shard of the queries and of the keys/values. The key/value shards travel once around
-the ring of ranks (rank r sends to r + 1 and receives from r - 1) with point-to-point ``isend``/``irecv``;
-while the next shard is in flight, the rank attends its queries to the shard it has. Each step gives a
-partial, unnormalised output with its row max and row sum of exponentials (the log-sum-exp, in two
-parts); rescaling the partial results to a common max and adding them is exact: the result equals
-softmax attention over the whole sequence. The backward pass sends the key/value shards around again, together with the gradients of K and V, which collect every rank's
-contribution on the way and end on the rank that owns the shard.
+the ring of ranks (rank r sends to r + 1 and receives from r - 1); while the next shard is in flight,
+the rank attends its queries to the shard it has and merges the block's normalised output and
+log-sum-exp into its running answer, which is exact: the result equals softmax attention over the whole
+sequence. The backward pass sends the shards around again with their dK/dV accumulators.
 
-Which positions of the sequence a rank holds is its *layout* (:data:`LAYOUTS`), the same one
-:func:`shard` cuts with. For L = 8 tokens over P = 2 ranks::
+The package, top to bottom:
+
+* :mod:`.sharding` -- layouts (which global positions a rank holds), :func:`shard`, :func:`unshard`,
+  :func:`gather_sequence`, the causal region of a block and :func:`causal_work`;
+* :mod:`.blocks` -- one block step, forward and backward, on PyTorch's fused CPU flash kernel or
+  plain matmuls;
+* :mod:`.ring` -- the plan of a call, the ring forward/backward and :func:`ring_attention`;
+* :mod:`.modules` -- :func:`use_process_group` / :class:`ShardedAttention`, the ``attention_fn``
+  that modules call through :mod:`multihead.nn.seam`;
+* :mod:`.launch` -- :func:`launch`, several local processes sharing one group.
+
+Layouts, for L = 8 tokens over P = 2 ranks::
 
     contiguous  rank 0: 0 1 2 3    rank 1: 4 5 6 7      (one block each)
     zigzag      rank 0: 0 1 6 7    rank 1: 2 3 4 5      (chunks r and 2P-1-r of 2P chunks)
@@ -24,18 +31,10 @@ while rank P-1 attends to everything; zigzag gives every rank the same amount of
 skip the key blocks (or the query rows) that the causal mask hides entirely.
 """
 
-from .ring import (
-    LAYOUTS,
-    ShardedAttention,
-    causal_work,
-    gather_sequence,
-    launch,
-    ring_attention,
-    shard,
-    sharded_attention,
-    unshard,
-    use_process_group,
-)
+from .launch import launch
+from .modules import ShardedAttention, sharded_attention, use_process_group
+from .ring import ring_attention
+from .sharding import LAYOUTS, causal_work, gather_sequence, shard, unshard
 
 __all__ = [
     "LAYOUTS",

@@ -263,8 +263,10 @@ class KVCache:
         ok, ov = self._k, self._v
         if ok is not None and ov is not None and (include_static or not self.static):
             idx = indices.to(ok.device)
-            if self.static:
-                self._k, self._v = ok.index_select(0, idx), ov.index_select(0, idx)  # (B', Hkv, S, D)
+            if self.static or ok.requires_grad:  # new tensors: never rewrite what autograd may have saved
+                n = ok.shape[2] if self.static else self._len
+                self._k = ok[:, :, :n].index_select(0, idx)  # (B', Hkv, L, Dk)
+                self._v = ov[:, :, :n].index_select(0, idx)  # (B', Hkv, L, Dv)
             elif idx.shape[0] != ok.shape[0]:  # a new batch size: new storage
                 self._k = ok.new_empty(idx.shape[0], *ok.shape[1:])  # (B', Hkv, C, Dk)
                 self._v = ov.new_empty(idx.shape[0], *ov.shape[1:])  # (B', Hkv, C, Dv)

@@ -377,12 +377,14 @@ def test_max_len_cache_is_allocated_once_and_raises_when_full():
 
 
 def test_cached_decoding_still_backpropagates():
-    """With gradients the cache concatenates: backward through several cached steps works and equals
-    the gradient of the full causal pass."""
+    """With gradients the cache concatenates (and reorders out of place): backward through several
+    cached steps works and equals the gradient of the full causal pass."""
     mha = _mha(dtype=torch.float64)
     x = torch.randn(2, 5, 32, dtype=torch.float64, requires_grad=True)
-    cache = mh.KVCache()
-    steps = torch.cat([mha(x[:, t : t + 1], cache=cache, causal=True) for t in range(5)], dim=1)
-    (g_steps,) = torch.autograd.grad(steps.square().sum(), x)
+    cache, steps = mh.KVCache(), []
+    for t in range(5):
+        steps.append(mha(x[:, t : t + 1], cache=cache, causal=True))
+        cache.reorder(torch.tensor([0, 1]))  # beams that keep their rows: gathered out of place here
+    (g_steps,) = torch.autograd.grad(torch.cat(steps, dim=1).square().sum(), x)
     (g_full,) = torch.autograd.grad(mha(x, causal=True).square().sum(), x)
     torch.testing.assert_close(g_steps, g_full, rtol=0, atol=1e-12)

@@ -222,25 +222,21 @@ def generate_with(
         transformer_model.KVCache = mh.KVCache  # type: ignore[misc]
 
 
-def generate_throughput(cases: list[tuple[int, int, int]]) -> list[dict]:
-    """tokens/s for each (output length, beams, rounds); outputs up to 512 tokens are checked equal."""
+def generate_throughput(cases: dict[str, list[tuple[int, int, int, bool]]]) -> list[dict]:
+    """tokens/s per model for each (output length, beams, rounds, with the concatenating baseline);
+    outputs of up to 512 tokens with a baseline are checked equal to it."""
     src = torch.randint(3, 40, (1, 24), generator=torch.Generator().manual_seed(0))  # (B, S)
     built = models()
     out = []
-    with Progress(len(built) * sum(c[2] for c in cases), "generate") as bar:
+    with Progress(sum(c[2] for cs in cases.values() for c in cs), "generate") as bar:
         for name, model in built.items():
-            for length, beams, rounds in cases:
+            for length, beams, rounds, baseline in cases[name]:
                 run = functools.partial(generate_with, model, src, length, beams)
-                same = torch.equal(run(mh.KVCache), run(ConcatCache)) if length <= 512 else None
-                times = interleaved(
-                    {
-                        "in-place": functools.partial(run, mh.KVCache),
-                        "concat": functools.partial(run, ConcatCache),
-                    },
-                    rounds,
-                    0,
-                    bar,
-                )
+                same = torch.equal(run(mh.KVCache), run(ConcatCache)) if baseline and length <= 512 else None
+                fns = {"in-place": functools.partial(run, mh.KVCache)}
+                if baseline:
+                    fns["concat"] = functools.partial(run, ConcatCache)
+                times = interleaved(fns, rounds, 0, bar)
                 tokens = src.shape[0] * length
                 out.append(
                     {
@@ -249,9 +245,10 @@ def generate_throughput(cases: list[tuple[int, int, int]]) -> list[dict]:
                         "beams": beams,
                         "same_tokens": same,
                         "tokens_per_s": {k: summary([tokens / t for t in v]) for k, v in times.items()},
-                        "speedup": ratios(times["concat"], times["in-place"]),
+                        "speedup": ratios(times["concat"], times["in-place"]) if baseline else None,
                     }
                 )
+                print(f"  {name} T={length} K={beams}: {out[-1]['tokens_per_s']}", flush=True)
     return out
 
 
@@ -275,6 +272,7 @@ def seed_shape(rounds: int, warmup: int) -> dict:
             warmup,
             bar,
         )
+    print(f"  seed shape: speed vs torch {ratios(times['torch'], times['multihead'])}", flush=True)
     return {
         "shape": {"B": b, "L": n, "E": e, "H": h},
         "seconds": {k: summary(v) for k, v in times.items()},
@@ -321,9 +319,10 @@ def markdown(report: dict) -> str:
     ]
     for r in report["generate"]:
         t = r["tokens_per_s"]
+        concat, speedup = (fmt(t["concat"], 1, 0), fmt(r["speedup"])) if "concat" in t else ("-", "-")
         lines.append(
             f"| {r['model']} | {r['output_length']} | {r['beams']} | {fmt(t['in-place'], 1, 0)} | "
-            f"{fmt(t['concat'], 1, 0)} | {fmt(r['speedup'])} | {SAME[r['same_tokens']]} |"
+            f"{concat} | {speedup} | {SAME[r['same_tokens']]} |"
         )
     s = report["seed_shape"]
     lines += [
@@ -372,12 +371,10 @@ def plot(report: dict, path: Path) -> None:
     ]
     xs = range(len(gen))
     for off, key, color in ((-0.2, "in-place", "C0"), (0.2, "concat", "C3")):
-        med = [r["tokens_per_s"][key]["median"] for r in gen]
-        err = [
-            [m - r["tokens_per_s"][key]["q1"] for m, r in zip(med, gen)],
-            [r["tokens_per_s"][key]["q3"] - m for m, r in zip(med, gen)],
-        ]
-        c.bar([x + off for x in xs], med, 0.4, yerr=err, color=color, label=key, capsize=2)
+        have = [(x, r["tokens_per_s"][key]) for x, r in zip(xs, gen) if key in r["tokens_per_s"]]
+        med = [s["median"] for _, s in have]
+        err = [[m - s["q1"] for m, (_, s) in zip(med, have)], [s["q3"] - m for m, (_, s) in zip(med, have)]]
+        c.bar([x + off for x, _ in have], med, 0.4, yerr=err, color=color, label=key, capsize=2)
     c.set_xticks(list(xs), names, fontsize=7)
     c.set(yscale="log", ylabel="tokens / s", title="generate() (batch 1)")
     c.legend()
@@ -400,14 +397,20 @@ def main() -> None:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "date": time.strftime("%Y-%m-%d %H:%M"),
-        "decode_steps": decode_steps(
-            LENGTHS[:2] if quick else LENGTHS, 5 if quick else 60, 2 if quick else 5
-        ),
-        "generate": generate_throughput(
-            [(16, 1, 2), (16, 4, 2)] if quick else [(64, 1, 5), (512, 1, 3), (2048, 1, 2), (64, 4, 5)]
-        ),
-        "seed_shape": seed_shape(10 if quick else 300, 2 if quick else 20),
     }
+    report["decode_steps"] = decode_steps(
+        LENGTHS[:2] if quick else LENGTHS, 5 if quick else 60, 2 if quick else 5
+    )
+    report["seed_shape"] = seed_shape(10 if quick else 300, 2 if quick else 20)
+    demo, wide = list(models())
+    report["generate"] = generate_throughput(
+        {demo: [(16, 1, 2, True), (16, 4, 2, True)], wide: [(16, 1, 1, True)]}
+        if quick
+        else {  # the wide model at 2048 tokens: one in-place run (the baseline alone takes minutes)
+            demo: [(64, 1, 5, True), (512, 1, 3, True), (2048, 1, 2, True), (64, 4, 5, True)],
+            wide: [(64, 1, 3, True), (512, 1, 2, True), (2048, 1, 1, False), (64, 4, 3, True)],
+        }
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps(report, indent=1))
     (args.out / f"{args.name}.md").write_text(markdown(report))

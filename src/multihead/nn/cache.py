@@ -77,14 +77,14 @@ class KVCache:
         """Cached keys (B, Hkv, L, Dk) -- a view of the storage --, or ``None`` while empty."""
         if self._k is None or (not self.static and self._len == 0):
             return None
-        return self._k if self.static else self._k[:, :, : self._len]  # (B, Hkv, L, Dk)
+        return self._k if self.static else self._k.narrow(2, 0, self._len)  # (B, Hkv, L, Dk)
 
     @property
     def values(self) -> Tensor | None:
         """Cached values (B, Hkv, L, Dv) -- a view of the storage --, or ``None`` while empty."""
         if self._v is None or (not self.static and self._len == 0):
             return None
-        return self._v if self.static else self._v[:, :, : self._len]  # (B, Hkv, L, Dv)
+        return self._v if self.static else self._v.narrow(2, 0, self._len)  # (B, Hkv, L, Dv)
 
     @property
     def capacity(self) -> int:
@@ -184,11 +184,12 @@ class KVCache:
             return self._append_differentiable(k, v)
         if end > self.capacity:
             self._grow(end)
-        assert self._k is not None and self._v is not None
-        self._k[:, :, start:end] = k  # in place: only the new positions are written
-        self._v[:, :, start:end] = v
+        ok, ov = self._k, self._v
+        assert ok is not None and ov is not None
+        ok.narrow(2, start, new).copy_(k)  # in place: only the new positions are written
+        ov.narrow(2, start, new).copy_(v)
         self._len = end
-        return self._k[:, :, :end], self._v[:, :, :end]  # (B, Hkv, L + Lnew, Dk), (B, Hkv, L + Lnew, Dv)
+        return ok.narrow(2, 0, end), ov.narrow(2, 0, end)  # (B, Hkv, L + Lnew, Dk), (B, Hkv, L + Lnew, Dv)
 
     def _check_step(self, k: Tensor, v: Tensor) -> None:
         """New keys/values must continue the cached ones: same B, Hkv, head dims, dtype and device."""
@@ -273,9 +274,9 @@ class KVCache:
                 self._k[:, :, : self._len] = ok[:, :, : self._len].index_select(0, idx)
                 self._v[:, :, : self._len] = ov[:, :, : self._len].index_select(0, idx)
             elif self._len:
-                n = self._len
-                ok[:, :, :n] = ok[:, :, :n].index_select(0, idx)  # (B, Hkv, L, Dk), gathered then written
-                ov[:, :, :n] = ov[:, :, :n].index_select(0, idx)
+                kept_k, kept_v = ok.narrow(2, 0, self._len), ov.narrow(2, 0, self._len)  # (B, Hkv, L, D)
+                kept_k.copy_(kept_k.index_select(0, idx))  # gathered, then written back in place
+                kept_v.copy_(kept_v.index_select(0, idx))
         for c in self._children.values():
             c.reorder(indices, include_static=include_static)
 

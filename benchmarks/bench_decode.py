@@ -383,36 +383,54 @@ def plot(report: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+SECTIONS = ("decode_steps", "seed_shape", "generate")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few rounds, short outputs (a smoke run)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument("--rounds", type=int, default=100, help="interleaved rounds of the decode steps")
+    parser.add_argument(
+        "--sections",
+        nargs="+",
+        choices=SECTIONS,
+        default=SECTIONS,
+        help="run only these; the others are kept from an existing report of the same --name",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for decode_cpu.{json,md,png}")
     parser.add_argument("--name", default="decode_cpu")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     quick = args.quick
-    report = {
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-    }
-    report["decode_steps"] = decode_steps(
-        LENGTHS[:2] if quick else LENGTHS, 5 if quick else 60, 2 if quick else 5
-    )
-    report["seed_shape"] = seed_shape(10 if quick else 300, 2 if quick else 20)
-    demo, wide = list(models())
-    report["generate"] = generate_throughput(
-        {demo: [(16, 1, 2, True), (16, 4, 2, True)], wide: [(16, 1, 1, True)]}
-        if quick
-        else {  # the wide model at 2048 tokens: one in-place run (the baseline alone takes minutes)
-            demo: [(64, 1, 5, True), (512, 1, 3, True), (2048, 1, 2, True), (64, 4, 5, True)],
-            wide: [(64, 1, 3, True), (512, 1, 2, True), (2048, 1, 1, False), (64, 4, 3, True)],
+    path = args.out / f"{args.name}.json"
+    report = json.loads(path.read_text()) if set(args.sections) != set(SECTIONS) else {}
+    report.update(
+        {
+            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "date": time.strftime("%Y-%m-%d %H:%M"),
         }
     )
+    if "decode_steps" in args.sections:
+        report["decode_steps"] = decode_steps(
+            LENGTHS[:2] if quick else LENGTHS, 5 if quick else args.rounds, 2 if quick else 5
+        )
+    if "seed_shape" in args.sections:
+        report["seed_shape"] = seed_shape(10 if quick else 300, 2 if quick else 20)
+    if "generate" in args.sections:
+        demo, wide = list(models())
+        report["generate"] = generate_throughput(
+            {demo: [(16, 1, 2, True), (16, 4, 2, True)], wide: [(16, 1, 1, True)]}
+            if quick
+            else {  # the wide model at 2048 tokens: one in-place run (the baseline alone takes minutes)
+                demo: [(64, 1, 5, True), (512, 1, 3, True), (2048, 1, 2, True), (64, 4, 5, True)],
+                wide: [(64, 1, 3, True), (512, 1, 2, True), (2048, 1, 1, False), (64, 4, 3, True)],
+            }
+        )
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.json").write_text(json.dumps(report, indent=1))
+    path.write_text(json.dumps(report, indent=1))
     (args.out / f"{args.name}.md").write_text(markdown(report))
     plot(report, args.out / f"{args.name}.png")
     print(markdown(report))

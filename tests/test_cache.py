@@ -30,7 +30,7 @@ def test_cache_grows_and_reorders():
     k1, v1 = torch.randn(3, 2, 1, 4), torch.randn(3, 2, 1, 5)
     k2, v2 = torch.randn(3, 2, 2, 4), torch.randn(3, 2, 2, 5)
     c.update(k1, v1)
-    k, v = c.update(k2, v2)
+    k, v = (t.clone() for t in c.update(k2, v2))  # views of the storage: reorder rewrites them
     assert len(c) == 3 and k.shape == (3, 2, 3, 4) and v.shape == (3, 2, 3, 5)
     assert torch.equal(k[:, :, :1], k1) and torch.equal(v[:, :, 1:], v2)
     c.reorder(torch.tensor([2, 2, 0]))
@@ -224,3 +224,167 @@ def test_any_chunking_of_cached_decoding_equals_full(cuts, rotary, kv_heads, bat
         outs.append(mha(x[:, start : start + n], cache=cache, causal=True))
         start += n
     torch.testing.assert_close(torch.cat(outs, dim=1), full, rtol=0, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# The in-place cache against a concatenating reference
+# ----------------------------------------------------------------------------------------------
+
+
+class CatCache(mh.KVCache):
+    """Reference: the cache as it was, ``torch.cat`` of everything so far on every update."""
+
+    def __init__(self, *, static=False, max_len=None):
+        super().__init__(static=static, max_len=max_len)
+        self._ck = self._cv = None
+
+    keys = property(lambda self: self._ck)
+    values = property(lambda self: self._cv)
+
+    def __len__(self):
+        if self._ck is not None:
+            return self._ck.shape[2]
+        return next((len(c) for _, c in self.children() if not c.static and not c.is_empty), 0)
+
+    def update(self, k, v):
+        if self._ck is None:
+            self._ck, self._cv = k, v
+        else:
+            assert not self.static
+            self._ck, self._cv = torch.cat([self._ck, k], dim=2), torch.cat([self._cv, v], dim=2)
+        return self._ck, self._cv
+
+    def reorder(self, indices, *, include_static=True):
+        if self._ck is not None and (include_static or not self.static):
+            self._ck, self._cv = self._ck[indices], self._cv[indices]
+        for _, c in self.children():
+            c.reorder(indices, include_static=include_static)
+
+    def reset(self):
+        self._ck = self._cv = None
+        for _, c in self.children():
+            c.reset()
+
+
+def _twin_steps(mha, chunks, *, beams=None, reset_at=None, max_len=None):
+    """Decode ``chunks`` [(B, n, E)] with the in-place cache and the reference; yield both outputs."""
+    fast, ref = mh.KVCache(max_len=max_len), CatCache()
+    for i, x in enumerate(chunks):
+        if i == reset_at:
+            fast.reset()
+            ref.reset()
+        yield mha(x, cache=fast, causal=True), mha(x, cache=ref, causal=True)
+        assert len(fast) == len(ref)
+        torch.testing.assert_close(fast.keys, ref.keys, rtol=0, atol=0)
+        if beams is not None:
+            rows = beams[i % len(beams)]
+            fast.reorder(rows)
+            ref.reorder(rows)
+
+
+CHUNKINGS = {"steps": [1] * 40, "chunks": [5, 1, 3, 1, 1, 17, 2, 1, 11]}
+
+
+@pytest.mark.parametrize("chunking", sorted(CHUNKINGS))
+@pytest.mark.parametrize("kv_heads, rotary", [(None, False), (2, False), (1, False), (None, True), (1, True)])
+@pytest.mark.parametrize("grad", [False, True])
+def test_in_place_cache_equals_concatenation_bit_for_bit(chunking, kv_heads, rotary, grad):
+    """Steps and chunks, MHA/GQA/MQA, rotary: the same bits as appending with torch.cat (with and
+    without autograd; with it the cache concatenates so that no tensor saved for backward is rewritten)."""
+    mha = _mha(kv_heads=kv_heads, rotary=rotary)
+    cuts = CHUNKINGS[chunking]
+    x = torch.randn(3, sum(cuts), 32)
+    chunks = list(x.split(cuts, dim=1))
+    with torch.set_grad_enabled(grad):
+        for fast, ref in _twin_steps(mha, chunks):
+            assert torch.equal(fast, ref)
+
+
+def test_in_place_cache_with_beams_reset_and_max_len():
+    """reorder between steps (beam parents, duplicated and dropped rows), reset mid-way, max_len storage."""
+    mha = _mha(kv_heads=2, rotary=True)
+    chunks = [torch.randn(4, n, 32) for n in (3, 1, 1, 2, 1, 1, 1)]
+    beams = [torch.tensor([1, 1, 0, 3]), torch.tensor([3, 2, 1, 0]), torch.tensor([0, 0, 0, 2])]
+    with torch.no_grad():
+        for max_len in (None, 10):
+            for reset_at in (None, 4):
+                for fast, ref in _twin_steps(mha, chunks, beams=beams, reset_at=reset_at, max_len=max_len):
+                    assert torch.equal(fast, ref)
+
+
+def test_in_place_cache_in_a_decoder_with_static_caches():
+    """A whole decoder stack (dynamic self-attention and static cross-attention children), with beams."""
+    torch.manual_seed(0)
+    dec = mh.TransformerDecoder(16, 4, 32, kv_heads=2, num_layers=2).eval()
+    x, memory = torch.randn(4, 6, 16), torch.randn(4, 5, 16)
+    fast, ref = mh.KVCache(), CatCache()
+    rows = torch.tensor([0, 0, 2, 2])  # beams within each pair of rows: memory rows stay equal
+    memory = memory[rows]
+    with torch.no_grad():
+        for t in range(6):
+            a = dec(x[:, t : t + 1], memory, cache=fast)
+            b = dec(x[:, t : t + 1], memory, cache=ref)
+            assert torch.equal(a, b)
+            fast.reorder(rows.flip(0), include_static=False)
+            ref.reorder(rows.flip(0), include_static=False)
+    cross = fast.child("1").child("cross_attn", static=True)
+    assert cross.static and cross.keys.shape == (4, 2, 5, 4)
+    assert len(fast) == len(ref) == 6
+
+
+def test_storage_grows_geometrically_and_reset_keeps_it():
+    c = mh.KVCache()
+    caps, ptrs = [], []
+    with torch.no_grad():
+        for _ in range(1000):
+            c.update(torch.randn(2, 1, 1, 4), torch.randn(2, 1, 1, 4))
+            caps.append(c.capacity)
+            ptrs.append(c._k.data_ptr())
+    grew = [b for a, b in zip(caps, caps[1:]) if b != a]
+    assert grew == [32, 64, 128, 256, 512, 1024]  # doubling from the 16-position start
+    moved = sum(a != b for a, b in zip(ptrs, ptrs[1:]))
+    assert moved == len(grew)  # storage reallocated only when it grew: 6 copies for 1000 tokens
+    assert len(c) == 1000 and c.capacity >= len(c)
+    before = c._k.data_ptr()
+    c.reset()
+    assert c.is_empty and len(c) == 0 and c.keys is None and c.capacity == 1024
+    c.update(torch.randn(2, 1, 3, 4), torch.randn(2, 1, 3, 4))
+    assert c._k.data_ptr() == before and len(c) == 3  # same storage, no allocation
+    c.reset()
+    c.update(torch.randn(5, 1, 1, 4), torch.randn(5, 1, 1, 4))  # another batch size: new storage
+    assert c.keys.shape == (5, 1, 1, 4) and c.capacity == 16
+
+
+def test_max_len_cache_is_allocated_once_and_raises_when_full():
+    c = mh.KVCache(max_len=5)
+    c.update(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4))
+    assert c.capacity == 5 and len(c) == 3
+    ptr = c._k.data_ptr()
+    c.update(torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 4))
+    assert c._k.data_ptr() == ptr and len(c) == 5
+    with pytest.raises(ValueError, match=r"full: it holds 5 of max_len=5 positions and this step adds 1"):
+        c.update(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4))
+    assert len(c) == 5  # the failed step changed nothing
+    root = mh.KVCache(max_len=7)
+    assert root.child("self_attn").max_len == 7 and root.child("x", static=True).max_len is None
+    with pytest.raises(ValueError, match="max_len must be a positive int"):
+        mh.KVCache(max_len=0)
+    mha = _mha()
+    cache = mh.KVCache(max_len=4)
+    mha(torch.randn(1, 4, 32), cache=cache, causal=True)
+    with pytest.raises(ValueError, match="KVCache is full"):
+        mha(torch.randn(1, 1, 32), cache=cache, causal=True)
+
+
+def test_cached_decoding_still_backpropagates():
+    """With gradients the cache concatenates (and reorders out of place): backward through several
+    cached steps works and equals the gradient of the full causal pass."""
+    mha = _mha(dtype=torch.float64)
+    x = torch.randn(2, 5, 32, dtype=torch.float64, requires_grad=True)
+    cache, steps = mh.KVCache(), []
+    for t in range(5):
+        steps.append(mha(x[:, t : t + 1], cache=cache, causal=True))
+        cache.reorder(torch.tensor([0, 1]))  # beams that keep their rows: gathered out of place here
+    (g_steps,) = torch.autograd.grad(torch.cat(steps, dim=1).square().sum(), x)
+    (g_full,) = torch.autograd.grad(mha(x, causal=True).square().sum(), x)
+    torch.testing.assert_close(g_steps, g_full, rtol=0, atol=1e-12)

@@ -369,6 +369,131 @@ def test_generate_keeps_training_mode_and_stops_at_max_len():
 
 
 # ----------------------------------------------------------------------------------------------
+# The decoding functions on their own: a Markov-chain step, no model
+# ----------------------------------------------------------------------------------------------
+
+
+def _markov_step(table):
+    """A step whose next-token log-probs depend on the last token only: ``table`` (V, V) log-probs."""
+
+    def step(tokens, cache):
+        if cache is not None:
+            cache.seen.append(tokens.clone())
+        return table[tokens[:, -1]]  # (N, V)
+
+    return step
+
+
+class _Recorder:
+    """A stand-in cache: records what beam search asks it to reorder and what the step saw."""
+
+    def __init__(self):
+        self.seen, self.rows = [], []
+
+    def reorder(self, indices, *, include_static=True):
+        assert not include_static
+        self.rows.append(indices.clone())
+
+
+def _markov_table(vocab, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(vocab, vocab, generator=g, dtype=torch.float64).log_softmax(-1)
+
+
+def _best_by_enumeration(table, start, max_len, eos, alpha):
+    """Oracle: every sequence of 1..max_len tokens (ending at the first eos, or at max_len)."""
+    vocab = table.shape[0]
+    best, best_score = None, -math.inf
+    for n in range(1, max_len + 1):
+        for seq in itertools.product(range(vocab), repeat=n):
+            if eos in seq[:-1] or (n < max_len and seq[-1] != eos):
+                continue
+            prev, total = start, 0.0
+            for tok in seq:
+                total += table[prev, tok].item()
+                prev = tok
+            if total / n**alpha > best_score:
+                best, best_score = list(seq), total / n**alpha
+    return best, best_score
+
+
+@pytest.mark.parametrize("alpha", [0.0, 1.0])
+def test_beam_search_function_is_exhaustive_when_wide(alpha):
+    vocab, max_len, eos = 4, 3, 1
+    table = _markov_table(vocab, seed=int(alpha))
+    start = torch.tensor([0, 2, 3])
+    got = mh.transformer.beam_search(
+        _markov_step(table),
+        start,
+        beams=vocab**max_len,
+        max_len=max_len,
+        eos_id=eos,
+        fill=eos,
+        length_penalty=alpha,
+    )
+    for b in range(3):
+        best, score = _best_by_enumeration(table, start[b].item(), max_len, eos, alpha)
+        n = int(got.lengths[b])
+        assert got.tokens[b, :n].tolist() == best and n == len(best)
+        assert abs(got.scores[b].item() - score) < 1e-6
+
+
+def test_greedy_function_and_one_beam_agree_and_pass_the_history():
+    table = _markov_table(6, seed=3)
+    start = torch.tensor([0, 4, 5, 2])
+    cache_g, cache_b = _Recorder(), _Recorder()
+    g = mh.transformer.greedy(_markov_step(table), start, max_len=7, eos_id=1, fill=0, cache=cache_g)
+    b = mh.transformer.beam_search(
+        _markov_step(table), start, beams=1, max_len=7, eos_id=1, fill=0, cache=cache_b
+    )
+    assert torch.equal(g.tokens, b.tokens) and torch.equal(g.lengths, b.lengths)
+    torch.testing.assert_close(g.scores, b.scores, rtol=0, atol=1e-12)
+    # the step sees every token so far, start first; rows already finished continue with `fill`
+    for t, tokens in enumerate(cache_g.seen):
+        assert torch.equal(tokens[:, 0], start) and tokens.shape == (4, t + 1)
+        assert torch.equal(tokens[:, 1:], g.tokens[:, :t])
+    assert cache_b.rows == []  # one beam: nothing to reorder
+
+
+def test_beam_search_reorders_the_cache_by_parent_rows():
+    table = _markov_table(5, seed=4)
+    rec = _Recorder()
+    mh.transformer.beam_search(
+        _markov_step(table), torch.tensor([0, 3]), beams=3, max_len=4, eos_id=None, fill=0, cache=rec
+    )
+    assert len(rec.rows) == 4
+    for rows in rec.rows:  # (B*K,) parents stay within their source's rows
+        assert rows.shape == (6,) and bool((rows[:3] < 3).all()) and bool((rows[3:] >= 3).all())
+
+
+def test_decoding_functions_reject_bad_start():
+    with pytest.raises(ValueError, match="start must be a 1-D integer tensor"):
+        mh.transformer.greedy(lambda t, c: t, torch.zeros(2, 1), max_len=3, eos_id=None, fill=0)
+    with pytest.raises(ValueError, match="beams must be a positive int"):
+        mh.transformer.beam_search(
+            lambda t, c: t, torch.zeros(2).long(), beams=0, max_len=3, eos_id=None, fill=0
+        )
+
+
+def test_greedy_with_a_step_without_cache_equals_generate():
+    """A step that recomputes the whole prefix (no cache) through the model equals the cached generate()."""
+    model = _model(seed=3)
+    src = _tokens(4, 6, seed=4)
+
+    def recompute(tokens, cache):
+        assert cache is None
+        logp = model(src, tokens)[:, -1].float().log_softmax(-1)
+        logp[:, PAD] = float("-inf")
+        return logp
+
+    with torch.no_grad():
+        res = mh.transformer.greedy(recompute, torch.full((4,), BOS), max_len=12, eos_id=EOS, fill=PAD)
+    torch.testing.assert_close(
+        res.tokens, model.generate(src, bos_id=BOS, eos_id=EOS, max_len=12), rtol=0, atol=0
+    )
+
+
+# ----------------------------------------------------------------------------------------------
 # Training
 # ----------------------------------------------------------------------------------------------
 

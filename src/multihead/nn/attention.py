@@ -32,7 +32,8 @@ __all__ = ["MultiHeadAttention", "map_inputs", "merge_heads", "split_heads"]
 
 def split_heads(x: Tensor, heads: int) -> Tensor:
     """(B, L, heads*D) -> (B, heads, L, D), a view."""
-    return x.unflatten(-1, (heads, -1)).transpose(1, 2)  # (B, heads, L, D)
+    b, length, features = x.shape
+    return x.view(b, length, heads, features // heads).transpose(1, 2)  # (B, heads, L, D)
 
 
 def merge_heads(x: Tensor) -> Tensor:
@@ -247,11 +248,9 @@ class MultiHeadAttention(nn.Module):
 
     def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> None:
         ref = self.out_proj.weight
-        for name, t, feat in (
-            ("query", query, self.embed_dim),
-            ("key", key, self.kdim),
-            ("value", value, self.vdim),
-        ):
+        inputs = (("query", query, self.embed_dim), ("key", key, self.kdim), ("value", value, self.vdim))
+        self_attention = key is query and value is query and self.kdim == self.vdim == self.embed_dim
+        for name, t, feat in inputs[:1] if self_attention else inputs:  # one tensor: check it once
             if not isinstance(t, Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
             if t.dim() != 3 or t.shape[-1] != feat:

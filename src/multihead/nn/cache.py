@@ -1,19 +1,25 @@
-"""``KVCache``: keys and values kept between decoding steps.
+"""``KVCache``: keys and values kept between decoding steps, appended in place.
 
-Dimensions: B batch (beams included), Hkv key/value heads, L cached positions, Dk/Dv head dims.
+Dimensions: B batch (beams included), Hkv key/value heads, L cached positions, C capacity (L <= C),
+Lnew positions added by one call, Dk/Dv head dims.
 
 One class serves every level of a model:
 
-* a **dynamic** cache (the default) belongs to a self-attention: each call appends the step's keys and
-  values, (B, Hkv, Lnew, D), and the attention then sees all L positions so far;
+* a **dynamic** cache (the default) belongs to a self-attention: each call writes the step's keys and
+  values, (B, Hkv, Lnew, D), into preallocated storage (B, Hkv, C, D) and the attention then sees the
+  first L positions, a view. The storage grows geometrically (capacity doubles when full), so a token
+  costs amortised O(1) copies instead of a copy of the whole cache; with ``max_len`` it is allocated once
+  at that size (static shapes for ``torch.compile`` and export) and a step past it raises;
 * a **static** cache (``static=True``) belongs to a cross-attention: the keys/values of the source are
   computed on the first call and reused unchanged on every later step;
 * a cache may also hold named **children** (:meth:`child`): a decoder stack keeps one child per layer,
   a decoder layer one child per attention (``"self_attn"``, ``"cross_attn"``), so a single
-  ``KVCache()`` passed to ``decoder(x_t, memory, cache=cache)`` serves the whole stack.
+  ``KVCache()`` passed to ``decoder(x_t, memory, cache=cache)`` serves the whole stack. Dynamic children
+  inherit ``max_len``.
 
-Beam search reorders every cached row with :meth:`reorder`. The cache holds tensors only; it never
-imports the attention modules (data flows one way: attention -> cache).
+Beam search reorders every cached row with :meth:`reorder`; :meth:`reset` forgets the positions and keeps
+the storage for the next batch. The cache holds tensors only; it never imports the attention modules
+(data flows one way: attention -> cache).
 """
 
 from __future__ import annotations
@@ -23,7 +29,12 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from ..core.checks import positive_int
+
 __all__ = ["KVCache"]
+
+#: The smallest storage a dynamic cache without ``max_len`` allocates, in positions.
+MIN_CAPACITY = 16
 
 
 class KVCache:
@@ -34,6 +45,10 @@ class KVCache:
             the first :meth:`update` stores the keys/values and later calls must not change them; a
             :class:`~multihead.MultiHeadAttention` given a filled static cache skips the key/value
             projection altogether.
+        max_len: for a dynamic cache, the most positions it will ever hold: the storage
+            (B, Hkv, max_len, D) is allocated once, at the first :meth:`update`, and an update past it
+            raises a ``ValueError``. ``None`` (default): the storage starts at max(Lnew, 16) positions
+            and doubles whenever it is full. Dynamic children (:meth:`child`) inherit it.
 
     Use::
 
@@ -45,28 +60,41 @@ class KVCache:
     Call :meth:`reset` (or make a new cache) before decoding another batch.
     """
 
-    def __init__(self, *, static: bool = False) -> None:
+    def __init__(self, *, static: bool = False, max_len: int | None = None) -> None:
         self.static = bool(static)
-        self._k: Tensor | None = None  # (B, Hkv, L, Dk)
-        self._v: Tensor | None = None  # (B, Hkv, L, Dv)
+        self.max_len = None if max_len is None else positive_int("max_len", max_len)
+        # Dynamic: storage (B, Hkv, C, Dk) / (B, Hkv, C, Dv), positions [0, _len) are cached.
+        # Static: the source's keys/values themselves, _len = their length.
+        self._k: Tensor | None = None
+        self._v: Tensor | None = None
+        self._len = 0
         self._children: dict[str, KVCache] = {}
 
     # -- inspection ---------------------------------------------------------------------------
 
     @property
     def keys(self) -> Tensor | None:
-        """Cached keys (B, Hkv, L, Dk), or ``None`` while empty."""
-        return self._k
+        """Cached keys (B, Hkv, L, Dk) -- a view of the storage --, or ``None`` while empty."""
+        if self._k is None or (not self.static and self._len == 0):
+            return None
+        return self._k if self.static else self._k.narrow(2, 0, self._len)  # (B, Hkv, L, Dk)
 
     @property
     def values(self) -> Tensor | None:
-        """Cached values (B, Hkv, L, Dv), or ``None`` while empty."""
-        return self._v
+        """Cached values (B, Hkv, L, Dv) -- a view of the storage --, or ``None`` while empty."""
+        if self._v is None or (not self.static and self._len == 0):
+            return None
+        return self._v if self.static else self._v.narrow(2, 0, self._len)  # (B, Hkv, L, Dv)
+
+    @property
+    def capacity(self) -> int:
+        """C, the positions the current storage holds (0 before the first update); L <= C."""
+        return 0 if self._k is None else self._k.shape[2]
 
     @property
     def is_empty(self) -> bool:
-        """True when neither this cache nor any child holds tensors."""
-        return self._k is None and all(c.is_empty for c in self._children.values())
+        """True when neither this cache nor any child holds positions."""
+        return self.keys is None and all(c.is_empty for c in self._children.values())
 
     def __len__(self) -> int:
         """Positions decoded so far: L of this cache, else of its first non-empty dynamic descendant.
@@ -75,7 +103,7 @@ class KVCache:
         needs); 0 while empty.
         """
         if self._k is not None:
-            return self._k.shape[2]
+            return self._len
         for c in self._children.values():
             if not c.static and not c.is_empty:
                 return len(c)
@@ -90,8 +118,10 @@ class KVCache:
 
     def __repr__(self) -> str:
         kind = "static" if self.static else "dynamic"
-        if self._k is not None:
-            return f"KVCache({kind}, keys={tuple(self._k.shape)}, values={tuple(self._v.shape)})"  # type: ignore[union-attr]
+        keys, values = self.keys, self.values
+        if keys is not None and values is not None:
+            room = "" if self.static else f", capacity={self.capacity}"
+            return f"KVCache({kind}, keys={tuple(keys.shape)}, values={tuple(values.shape)}{room})"
         if self._children:
             return f"KVCache(children={list(self._children)}, len={len(self)})"
         return f"KVCache({kind}, empty)"
@@ -99,12 +129,12 @@ class KVCache:
     # -- mutation -----------------------------------------------------------------------------
 
     def child(self, name: str, *, static: bool = False) -> KVCache:
-        """The child cache ``name``, created (with ``static``) on first use."""
+        """The child cache ``name``, created (with ``static``, and this cache's ``max_len``) on first use."""
         c = self._children.get(name)
         if c is None:
             if self._k is not None:
                 raise ValueError("this KVCache holds keys/values itself; it cannot also hold child caches")
-            c = self._children[name] = KVCache(static=static)
+            c = self._children[name] = type(self)(static=static, max_len=None if static else self.max_len)
         elif c.static != bool(static):
             raise ValueError(
                 f"child cache {name!r} was created with static={c.static}, now requested with "
@@ -115,8 +145,10 @@ class KVCache:
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Add this step's ``k`` (B, Hkv, Lnew, Dk) and ``v`` (B, Hkv, Lnew, Dv); return all keys/values.
 
-        A dynamic cache returns (B, Hkv, L + Lnew, Dk) and (B, Hkv, L + Lnew, Dv). A static cache stores
-        ``k``/``v`` once and returns them; updating a filled static cache is an error.
+        A dynamic cache copies ``k``/``v`` into its storage at positions [L, L + Lnew) and returns views
+        (B, Hkv, L + Lnew, Dk) and (B, Hkv, L + Lnew, Dv) -- equal to ``torch.cat`` of everything
+        appended so far, without copying what is already cached. A static cache stores ``k``/``v`` once
+        and returns them; updating a filled static cache is an error.
         """
         if self._children:
             raise ValueError(
@@ -128,51 +160,134 @@ class KVCache:
                 f"k must be (B, Hkv, Lnew, Dk) and v (B, Hkv, Lnew, Dv) with shared B, Hkv, Lnew; got k "
                 f"{tuple(k.shape)}, v {tuple(v.shape)}"
             )
-        if self._k is None or self._v is None:
-            self._k, self._v = k, v
-            return k, v
         if self.static:
+            if self._k is not None:
+                raise ValueError(
+                    "this static (cross-attention) KVCache is already filled; it is reused as is. Call "
+                    "cache.reset() before attending to a new source"
+                )
+            self._k, self._v, self._len = k, v, k.shape[2]
+            return k, v
+        start, new = self._len, k.shape[2]
+        if start == 0:
+            self._allocate_for(k, v)
+        else:
+            self._check_step(k, v)
+        end = start + new
+        if self.max_len is not None and end > self.max_len:
             raise ValueError(
-                "this static (cross-attention) KVCache is already filled; it is reused as is. Call "
-                "cache.reset() before attending to a new source"
+                f"this KVCache is full: it holds {start} of max_len={self.max_len} positions and this "
+                f"step adds {new}; build it with KVCache(max_len=...) >= {end}, or call cache.reset() "
+                f"before decoding a new sequence"
             )
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+            return self._append_differentiable(k, v)
+        if end > self.capacity:
+            self._grow(end)
         ok, ov = self._k, self._v
+        assert ok is not None and ov is not None
+        ok.narrow(2, start, new).copy_(k)  # in place: only the new positions are written
+        ov.narrow(2, start, new).copy_(v)
+        self._len = end
+        return ok.narrow(2, 0, end), ov.narrow(2, 0, end)  # (B, Hkv, L + Lnew, Dk), (B, Hkv, L + Lnew, Dv)
+
+    def _check_step(self, k: Tensor, v: Tensor) -> None:
+        """New keys/values must continue the cached ones: same B, Hkv, head dims, dtype and device."""
+        ok, ov = self._k, self._v
+        assert ok is not None and ov is not None
         if k.shape[:2] != ok.shape[:2] or k.shape[3] != ok.shape[3] or v.shape[3] != ov.shape[3]:
             raise ValueError(
-                f"new keys/values must match the cached (B, Hkv, *, D): cached keys {tuple(ok.shape)}, "
-                f"values {tuple(ov.shape)}; got k {tuple(k.shape)}, v {tuple(v.shape)}. Did the batch "
-                f"change? Call cache.reset() first"
+                f"new keys/values must match the cached (B, Hkv, *, D): cached keys "
+                f"{tuple(ok.shape[:2]) + (self._len, ok.shape[3])}, values "
+                f"{tuple(ov.shape[:2]) + (self._len, ov.shape[3])}; got k {tuple(k.shape)}, v "
+                f"{tuple(v.shape)}. Did the batch change? Call cache.reset() first"
             )
         if k.dtype != ok.dtype or k.device != ok.device:
             raise TypeError(
                 f"new keys are {k.dtype} on {k.device} but the cache holds {ok.dtype} on {ok.device}; "
                 f"keep one dtype/device per cache or call cache.reset()"
             )
-        self._k = torch.cat([ok, k], dim=2)  # (B, Hkv, L + Lnew, Dk)
-        self._v = torch.cat([ov, v], dim=2)  # (B, Hkv, L + Lnew, Dv)
-        return self._k, self._v
+
+    def _allocate_for(self, k: Tensor, v: Tensor) -> None:
+        """First update (or the first after :meth:`reset`): reuse the storage if it fits, else allocate."""
+        ok, ov = self._k, self._v
+        if (
+            ok is not None
+            and ov is not None
+            and ok.shape[:2] == k.shape[:2]
+            and ok.shape[3] == k.shape[3]
+            and ov.shape[3] == v.shape[3]
+            and ok.dtype == k.dtype
+            and ok.device == k.device
+        ):
+            return
+        cap = self.max_len if self.max_len is not None else max(k.shape[2], MIN_CAPACITY)
+        b, hkv = k.shape[:2]
+        self._k = k.new_empty(b, hkv, cap, k.shape[3])  # (B, Hkv, C, Dk)
+        self._v = v.new_empty(b, hkv, cap, v.shape[3])  # (B, Hkv, C, Dv)
+
+    def _append_differentiable(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys/values that need gradients: new tensors (``torch.cat``), never writes into saved ones.
+
+        Writing in place would change tensors that autograd saved for an earlier step's backward; the
+        storage is then exactly L positions, and the next update without gradients grows it again.
+        """
+        n = self._len
+        keys = k if n == 0 else torch.cat([self._k[:, :, :n], k], dim=2)  # type: ignore[index]
+        values = v if n == 0 else torch.cat([self._v[:, :, :n], v], dim=2)  # type: ignore[index]
+        self._k, self._v, self._len = keys, values, keys.shape[2]  # (B, Hkv, L + Lnew, D)
+        return keys, values
+
+    def _grow(self, needed: int) -> None:
+        """Storage for at least ``needed`` positions: twice the capacity, or ``max_len`` if set."""
+        ok, ov = self._k, self._v
+        assert ok is not None and ov is not None
+        cap = self.max_len if self.max_len is not None else max(needed, 2 * ok.shape[2])
+        self._k = ok.new_empty(*ok.shape[:2], cap, ok.shape[3])  # (B, Hkv, C', Dk)
+        self._v = ov.new_empty(*ov.shape[:2], cap, ov.shape[3])  # (B, Hkv, C', Dv)
+        self._k[:, :, : self._len] = ok[:, :, : self._len]
+        self._v[:, :, : self._len] = ov[:, :, : self._len]
 
     def reorder(self, indices: Tensor, *, include_static: bool = True) -> None:
         """Keep batch rows ``indices`` (B',) long, in that order, in this cache and every child.
 
-        Beam search calls it after each step with the parent beam of every surviving beam. Static
-        caches can be skipped (``include_static=False``) when every index stays within rows that hold
-        the same source, as in beam search where the beams of one source share its keys/values.
+        Beam search calls it after each step with the parent beam of every surviving beam. Only the L
+        cached positions are gathered; when B' == B they are written back into the same storage.
+        Static caches can be skipped (``include_static=False``) when every index stays within rows that
+        hold the same source, as in beam search where the beams of one source share its keys/values.
         """
         if not isinstance(indices, Tensor) or indices.dim() != 1 or indices.is_floating_point():
             raise ValueError(
                 f"indices must be a 1-D integer tensor (B',) of batch rows, got "
                 f"{getattr(indices, 'shape', type(indices).__name__)}"
             )
-        if self._k is not None and self._v is not None and (include_static or not self.static):
-            idx = indices.to(self._k.device)
-            self._k = self._k.index_select(0, idx)  # (B', Hkv, L, Dk)
-            self._v = self._v.index_select(0, idx)  # (B', Hkv, L, Dv)
+        ok, ov = self._k, self._v
+        if ok is not None and ov is not None and (include_static or not self.static):
+            idx = indices.to(ok.device)
+            if self.static or ok.requires_grad:  # new tensors: never rewrite what autograd may have saved
+                n = ok.shape[2] if self.static else self._len
+                self._k = ok[:, :, :n].index_select(0, idx)  # (B', Hkv, L, Dk)
+                self._v = ov[:, :, :n].index_select(0, idx)  # (B', Hkv, L, Dv)
+            elif idx.shape[0] != ok.shape[0]:  # a new batch size: new storage
+                self._k = ok.new_empty(idx.shape[0], *ok.shape[1:])  # (B', Hkv, C, Dk)
+                self._v = ov.new_empty(idx.shape[0], *ov.shape[1:])  # (B', Hkv, C, Dv)
+                self._k[:, :, : self._len] = ok[:, :, : self._len].index_select(0, idx)
+                self._v[:, :, : self._len] = ov[:, :, : self._len].index_select(0, idx)
+            elif self._len:
+                kept_k, kept_v = ok.narrow(2, 0, self._len), ov.narrow(2, 0, self._len)  # (B, Hkv, L, D)
+                kept_k.copy_(kept_k.index_select(0, idx))  # gathered, then written back in place
+                kept_v.copy_(kept_v.index_select(0, idx))
         for c in self._children.values():
             c.reorder(indices, include_static=include_static)
 
     def reset(self) -> None:
-        """Forget every cached tensor (children are emptied, not removed)."""
-        self._k = self._v = None
+        """Forget every cached position (children are emptied, not removed).
+
+        A dynamic cache keeps its storage: the next batch of the same (B, Hkv, D, dtype, device) reuses
+        it without allocating. A static cache drops its source's keys/values.
+        """
+        self._len = 0
+        if self.static:
+            self._k = self._v = None
         for c in self._children.values():
             c.reset()

@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Protocol
 
+import torch
 from torch import Tensor, nn
 
 from ..core.attention import AttentionOutput, output_and_weights
@@ -38,11 +39,21 @@ AttentionFn = Callable[..., Tensor | AttentionOutput]
 :func:`multihead.attention`: q (B, H, Lq, Dk), k (B, Hkv, Lk, Dk), v (B, Hkv, Lk, Dv) -> (B, H, Lq, Dv)."""
 
 _ACTIVE: ContextVar[Inspector | None] = ContextVar("multihead_inspector", default=None)
-# How many inspecting() blocks are open in any thread or task. While it is 0 (the normal case) attend() never
-# reads the context variable, so torch.compile traces modules without a graph break: it guards on this
-# counter and recompiles (or, with fullgraph=True, reports the break) only if inspection becomes active.
+# torch.compile cannot trace ContextVar.get. How many inspecting() blocks are open in any thread or task,
+# and the innermost inspector (a mirror of the context variable), are plain globals that it can read and
+# guard on: while no block is open (the normal case) attend() never reads the context variable; while
+# compiling it reads the mirror, so a compiled module recompiles when inspection starts or stops.
 _OPEN_BLOCKS = 0
+_MIRROR: Inspector | None = None
 _OPEN_LOCK = threading.Lock()
+
+
+def _active() -> Inspector | None:
+    if not _OPEN_BLOCKS:
+        return None
+    if torch.compiler.is_compiling():
+        return _MIRROR
+    return _ACTIVE.get()
 
 
 class Inspector:
@@ -57,22 +68,24 @@ class Inspector:
 
 def current() -> Inspector | None:
     """The active inspector, or None (the normal case: no overhead beyond this lookup)."""
-    return _ACTIVE.get() if _OPEN_BLOCKS else None
+    return _active()
 
 
 @contextmanager
 def inspecting(inspector: Inspector) -> Iterator[Inspector]:
     """Make ``inspector`` active for the block (nested blocks stack and unwind)."""
-    global _OPEN_BLOCKS
+    global _OPEN_BLOCKS, _MIRROR
     token = _ACTIVE.set(inspector)
     with _OPEN_LOCK:
         _OPEN_BLOCKS += 1
+        _MIRROR = inspector
     try:
         yield inspector
     finally:
+        _ACTIVE.reset(token)
         with _OPEN_LOCK:
             _OPEN_BLOCKS -= 1
-        _ACTIVE.reset(token)
+            _MIRROR = _ACTIVE.get()
 
 
 class AttentionModule(Protocol):
@@ -119,7 +132,7 @@ def attend(
     inspector (if any) saw them, and the weights only when ``return_weights``. The inspector may ask for
     weights (``wants_weights``); the module's caller still gets them only if it asked.
     """
-    inspector = _ACTIVE.get() if _OPEN_BLOCKS else None
+    inspector = _active()
     want = return_weights or (inspector is not None and inspector.wants_weights)
     res = module.attention_fn(
         q,

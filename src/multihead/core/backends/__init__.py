@@ -3,8 +3,9 @@
 Dimensions: B batch, H query heads, Hkv key/value heads (H % Hkv == 0), G = H // Hkv,
 Lq/Lk query/key lengths, Dk query/key head dim, Dv value head dim.
 
-A backend is an object with a ``name``, a ``why_not(call) -> list[str]`` that lists every reason it
-cannot serve a call (empty = it can), and ``__call__(call) -> (output, weights | None)``.
+A backend is an object with a ``name``, a ``why_not(call) -> Iterable[str]`` that gives every reason it
+cannot serve a call (none = it can; a generator lets :func:`select` stop at the first reason, so
+choosing a backend costs no message formatting), and ``__call__(call) -> (output, weights | None)``.
 ``backend="auto"`` takes the first backend of :data:`AUTO_ORDER` with no reasons; a named backend that
 cannot serve the call raises a ``ValueError`` listing its reasons -- a backend never guesses.
 """
@@ -45,18 +46,19 @@ def available() -> list[str]:
 
 def explain(call: AttentionCall) -> dict[str, list[str]]:
     """For each backend, the reasons it cannot serve ``call`` (an empty list means it can)."""
-    return {name: _REGISTRY[name].why_not(call) for name in _REGISTRY}
+    return {name: list(_REGISTRY[name].why_not(call)) for name in _REGISTRY}
 
 
 def select(call: AttentionCall, name: str = "auto") -> Backend:
     """The backend that serves ``call``: the named one, or the first able one in :data:`AUTO_ORDER`."""
     if name == "auto":
         for candidate in AUTO_ORDER:
-            if not _REGISTRY[candidate].why_not(call):
-                return _REGISTRY[candidate]
+            backend = _REGISTRY[candidate]
+            if next(iter(backend.why_not(call)), None) is None:  # no first reason: it serves the call
+                return backend
         raise RuntimeError(f"no backend can serve this call: {explain(call)}")  # math serves all
     backend = get(name)
-    reasons = backend.why_not(call)
+    reasons = list(backend.why_not(call))
     if reasons:
         raise ValueError(f"backend {name!r} cannot serve this call: " + "; ".join(reasons))
     return backend

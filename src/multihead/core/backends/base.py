@@ -9,6 +9,7 @@ registry in ``backends/__init__.py`` can import the backends without an import c
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -43,6 +44,6 @@ class Backend(Protocol):
 
     name: str
 
-    def why_not(self, call: AttentionCall) -> list[str]: ...
+    def why_not(self, call: AttentionCall) -> Iterable[str]: ...
 
     def __call__(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]: ...

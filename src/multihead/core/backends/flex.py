@@ -19,7 +19,7 @@ with broadcast (size-1) mask/bias dimensions indexed at 0 and rows with no allow
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -61,23 +61,19 @@ class FlexBackend:
     def __init__(self, *, compiled: bool = True) -> None:
         self.compiled = compiled  # False: eager FlexAttention (slow, for testing the mask plumbing)
 
-    def why_not(self, call: AttentionCall) -> list[str]:
-        reasons = []
+    def why_not(self, call: AttentionCall) -> Iterator[str]:
         if call.q.device.type != "cuda" and self.compiled:
-            reasons.append(
-                f"flex runs on CUDA only (Triton kernels); q is on {call.q.device.type}, where sdpa serves"
-            )
+            yield f"flex runs on CUDA only (Triton kernels); q is on {call.q.device.type}, where sdpa serves"
         if _flex_module() is None:
-            reasons.append(f"torch {torch.__version__} has no torch.nn.attention.flex_attention (needs 2.5+)")
+            yield f"torch {torch.__version__} has no torch.nn.attention.flex_attention (needs 2.5+)"
         if call.masks.mask is None and call.masks.bias is None:
-            reasons.append("no mask or bias to skip blocks by: the fused sdpa kernels serve this call faster")
+            yield "no mask or bias to skip blocks by: the fused sdpa kernels serve this call faster"
         if call.return_weights:
-            reasons.append("flex cannot return attention weights (use backend='math')")
+            yield "flex cannot return attention weights (use backend='math')"
         if call.dropout > 0:
-            reasons.append("flex has no attention dropout (use dropout=0.0 or backend='sdpa')")
+            yield "flex has no attention dropout (use dropout=0.0 or backend='sdpa')"
         if call.q.dtype not in _DTYPES:
-            reasons.append(f"flex supports dtypes {_DTYPES}, got {call.q.dtype}")
-        return reasons
+            yield f"flex supports dtypes {_DTYPES}, got {call.q.dtype}"
 
     def __call__(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         flex = _flex_module()

@@ -19,6 +19,7 @@ repeated, q is never copied, and the native causal kernel still applies.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -49,15 +50,11 @@ def _cuda_kernels() -> contextlib.AbstractContextManager:
 class SDPABackend:
     name = "sdpa"
 
-    def why_not(self, call: AttentionCall) -> list[str]:
-        reasons = []
+    def why_not(self, call: AttentionCall) -> Iterator[str]:
         if call.return_weights:
-            reasons.append(
-                "sdpa cannot return attention weights (use return_weights=False or backend='math')"
-            )
+            yield "sdpa cannot return attention weights (use return_weights=False or backend='math')"
         if call.q.dtype not in _DTYPES:
-            reasons.append(f"sdpa supports dtypes {_DTYPES}, got {call.q.dtype}")
-        return reasons
+            yield f"sdpa supports dtypes {_DTYPES}, got {call.q.dtype}"
 
     def __call__(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         q, k, v, m = call.q, call.k, call.v, call.masks

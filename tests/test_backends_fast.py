@@ -63,7 +63,7 @@ _FLEX_EAGER = FlexBackend(compiled=False)
 def _flex_eager(q, k, v, **kw):
     """The flex backend with FlexAttention's eager path: its mask/bias plumbing, run on CPU."""
     call = prepare(q, k, v, **kw)
-    assert _FLEX_EAGER.why_not(call) == [], "a case flex refuses is not a flex case"
+    assert list(_FLEX_EAGER.why_not(call)) == [], "a case flex refuses is not a flex case"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return _FLEX_EAGER(call)[0]
@@ -110,7 +110,7 @@ def test_flex_refuses_exactly_the_calls_it_is_not_generated_for(kind, shape):
     """The flex cases left out of the grid above are the calls flex refuses, with the reason."""
     b, lq, lk, d = SHAPES[shape]
     call = prepare(*_qkv(b, 4, 2, lq, lk, d, torch.float32), **_masks(kind, b, 4, lq, lk))
-    reasons = _FLEX_EAGER.why_not(call)
+    reasons = list(_FLEX_EAGER.why_not(call))
     assert (reasons == []) == _flex_serves(kind, SHAPES[shape]), reasons
     if reasons:
         assert any("no mask or bias" in r for r in reasons), reasons

@@ -39,7 +39,7 @@ class AttentionCall:
 
 
 class Backend(Protocol):
-    """A backend: ``why_not(call)`` lists every reason it cannot serve ``call`` ([] = it can), and
+    """A backend: ``why_not(call)`` yields every reason it cannot serve ``call`` (none = it can), and
     ``backend(call)`` returns ``(output (B, H, Lq, Dv), weights (B, H, Lq, Lk) or None)``."""
 
     name: str

@@ -14,6 +14,7 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from seed_shapes import SEED002_SHAPE_LINES  # noqa: E402
 
 keras = pytest.importorskip("keras")
 if keras.backend.backend() != "tensorflow":
@@ -45,16 +46,7 @@ def test_seed000_reproduced_and_its_three_bugs_shown(capsys):
 
 def test_seed002_shapes_reproduced_merge_and_mask_bugs_shown(capsys):
     res, printed = _run_example("seed002_keras_tf.py", capsys)
-    lines = [
-        "x.shape: (30, 4, 512)",
-        "qkv.shape: (30, 4, 1536)",
-        "qkv.shape: (30, 4, 8, 192)",
-        "qkv.shape: (30, 8, 4, 192)",
-        "q.shape: (30, 8, 4, 64), k.shape: (30, 8, 4, 64), v.shape: (30, 8, 4, 64)",
-        "values.shape: (30, 8, 4, 64), attention.shape: (30, 8, 4, 4)",
-        "values.shape: (30, 4, 512)",
-        "out.shape: (30, 4, 512)",
-    ]
+    lines = SEED002_SHAPE_LINES
     assert printed.splitlines()[: len(lines)] == lines  # the notebook's output, line for line
     assert res["scores_diff"] < 1e-5 and res["fixed_diff"] < 1e-5  # right up to the merge, and after the fix
     assert res["bug_diff"] > 0.1  # the merge without the transpose changes the output

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import platform
 import statistics
 import sys
@@ -199,9 +200,9 @@ def markdown(records: list[dict], meta: dict) -> str:
         "# Hugging Face models: eager / sdpa / multihead attention (CPU)",
         "",
         f"{meta['when']}, torch {meta['torch']}, transformers {meta['transformers']}, {meta['threads']} thread(s), "
-        f"{meta['rounds']} interleaved rounds (the order rotates every round). The machine was shared with other "
-        "jobs (load average ~12 on 2 cores), so the times are the process's CPU seconds per call, which waiting "
-        "for a core does not inflate; median [IQR]. Speed-up = the peer's time / multihead's time in the same "
+        f"{meta['rounds']} interleaved rounds (the order rotates every round), load average "
+        f"{meta.get('load_average', 'not recorded')} at the end of the run. Times are the process's CPU seconds "
+        "per call, which waiting for a core does not inflate; median [IQR]. Speed-up = the peer's time / multihead's time in the same "
         "round, median [IQR]; the wall-clock speed-up is listed too.",
         "",
         "| model, task (batch x tokens) | eager | sdpa | multihead | speed-up (CPU time) | wall | target | met |",
@@ -269,6 +270,7 @@ def main(argv: list[str] | None = None) -> None:
         "threads": args.threads,
         "rounds": rounds,
         "new_tokens": new_tokens,
+        "load_average": "{:.1f} / {:.1f} / {:.1f} (1 / 5 / 15 min)".format(*os.getloadavg()),
     }
     text = markdown(records, meta)
     print(text)

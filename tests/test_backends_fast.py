@@ -247,31 +247,35 @@ def test_no_lq_by_lk_tensor_forward_or_backward(kv_heads):
 @pytest.mark.parametrize("block_bytes", [1, 300])
 @pytest.mark.parametrize("kind", MASK_KINDS)
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
-def test_blocked_inference_path_matches_reference(monkeypatch, heads, kind, block_bytes):
+def test_blocked_inference_path_matches_reference(heads, kind, block_bytes):
     """The math backend's cache-blocked path (inference, large scores) on tiny blocks: one (batch,
     kv head) pair per block, and a few kv heads per block."""
-    from multihead.core.backends import math as math_backend
+    from multihead.core.backends.math import MathBackend
 
-    monkeypatch.setattr(math_backend, "BLOCK_BYTES", block_bytes)
+    backend = MathBackend(block_bytes=block_bytes)
     h, hkv = heads
     q, k, v = _qkv(2, h, hkv, 6, 9 if kind != "causal" and "window" not in kind else 6, 8, torch.float64)
     lk = k.shape[2]
     kw = _masks(kind, 2, h, 6, lk)
-    call = prepare(q, k, v, return_weights=True, **kw)
-    assert math_backend._blocked(call, q, k, v)  # the path under test is taken
     with torch.no_grad():
-        _check_against_reference(partial(mh.attention, backend="math"), q, k, v, return_weights=True, **kw)
+        assert backend.blocked(prepare(q, k, v, return_weights=True, **kw))  # the path under test is taken
+
+        def blocked_attention(q, k, v, return_weights=False, **kw):
+            out, w = backend(prepare(q, k, v, return_weights=return_weights, **kw))
+            return mh.AttentionOutput(out, w) if return_weights else out
+
+        _check_against_reference(blocked_attention, q, k, v, return_weights=True, **kw)
 
 
-def test_blocked_path_is_not_taken_when_autograd_records(monkeypatch):
-    from multihead.core.backends import math as math_backend
+def test_blocked_path_is_not_taken_when_autograd_records():
+    from multihead.core.backends.math import MathBackend
 
-    monkeypatch.setattr(math_backend, "BLOCK_BYTES", 1)
+    backend = MathBackend(block_bytes=1)
     q, k, v = _qkv(1, 2, 2, 4, 4, 8, torch.float64)
+    assert backend.blocked(prepare(q, k, v, return_weights=True))  # without autograd it would block
     q.requires_grad_(True)
-    call = prepare(q, k, v, return_weights=True)
-    assert not math_backend._blocked(call, q, k, v)
-    out = mh.attention(q, k, v, backend="math")
+    assert not backend.blocked(prepare(q, k, v, return_weights=True))
+    out, _ = backend(prepare(q, k, v))
     (g,) = torch.autograd.grad(out.sum(), q)
     (g_ref,) = torch.autograd.grad(mh.attention_reference(q, k, v).sum(), q)
     torch.testing.assert_close(g, g_ref)

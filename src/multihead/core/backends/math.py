@@ -17,13 +17,36 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..checks import is_int
 from ..masks import causal
 from ._common import group_mask, group_queries, ungroup, zero_dead_rows
 from .base import AttentionCall
 
 
 class MathBackend:
+    """``block_bytes``: target size of one block of scores in the cache-blocked inference path (it
+    should fit in cache; the registered instance uses the default, 4 MiB)."""
+
     name = "math"
+
+    def __init__(self, *, block_bytes: int = 4 << 20) -> None:
+        if not is_int(block_bytes, 1):
+            raise ValueError(
+                f"block_bytes must be a positive int (bytes per block of scores), got {block_bytes!r}"
+            )
+        self.block_bytes = block_bytes
+
+    def blocked(self, call: AttentionCall) -> bool:
+        """Whether ``call`` takes the cache-blocked inference path (CPU, no autograd, large scores)."""
+        q, k, v = call.q, call.k, call.v
+        if call.dropout > 0 or q.device.type != "cpu":
+            return False
+        if torch.is_grad_enabled() and any(
+            t.requires_grad for t in (q, k, v, call.masks.bias) if t is not None
+        ):
+            return False
+        b, h, lq, _ = q.shape  # the grouped queries (B, Hkv, G*Lq, Dk) hold as many score rows
+        return b * h * lq * k.shape[2] * q.element_size() > 2 * self.block_bytes
 
     def why_not(self, call: AttentionCall) -> list[str]:
         return []
@@ -39,8 +62,8 @@ class MathBackend:
         if m.causal:  # only when Lq == Lk and nothing else masks
             keep = causal(lq, lk, device=q.device).view(1, 1, lq, lk)  # (1, 1, Lq, Lk)
         keep = group_mask(keep, h, hkv, lq)  # (B|1, Hkv|1, G*Lq|1, Lk|1)
-        if _blocked(call, qg, k, v):
-            out, weights = _attend_blocked(qg, k, v, bias, keep)
+        if self.blocked(call):
+            out, weights = _attend_blocked(qg, k, v, bias, keep, self.block_bytes)
         else:
             out, weights = _attend(qg, k, v, bias, keep, call.dropout)
         out = zero_dead_rows(ungroup(out, h), m.row_ok)  # (B, H, Lq, Dv)
@@ -74,27 +97,13 @@ def _attend(
     return torch.matmul(dropped, v, out=o_buf), weights  # (B, Hkv, G*Lq, Dv), (B, Hkv, G*Lq, Lk)
 
 
-#: Target size of one block of scores in the blocked inference path, bytes (cache-resident).
-BLOCK_BYTES = 4 << 20
-
-
-def _blocked(call: AttentionCall, qg: Tensor, k: Tensor, v: Tensor) -> bool:
-    """Inference on the CPU with large scores: compute them block by block while they are in cache."""
-    if call.dropout > 0 or qg.device.type != "cpu":
-        return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (qg, k, v, call.masks.bias) if t is not None):
-        return False
-    b, hkv, glq, _ = qg.shape
-    return b * hkv * glq * k.shape[2] * qg.element_size() > 2 * BLOCK_BYTES
-
-
 def _sl(t: Tensor | None, dim: int, s: slice) -> Tensor | None:
     """Slice ``t`` along ``dim`` unless that dim broadcasts (size 1)."""
     return t if t is None or t.shape[dim] == 1 else t.narrow(dim, s.start, s.stop - s.start)
 
 
 def _attend_blocked(
-    qg: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, keep: Tensor | None
+    qg: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, keep: Tensor | None, block_bytes: int
 ) -> tuple[Tensor, Tensor]:
     """:func:`_attend` over blocks of (batch, kv head) pairs written into preallocated outputs.
 
@@ -106,7 +115,7 @@ def _attend_blocked(
     weights = qg.new_empty(b, hkv, glq, lk)  # (B, Hkv, G*Lq, Lk)
     out = qg.new_empty(b, hkv, glq, v.shape[-1])  # (B, Hkv, G*Lq, Dv)
     per_head = glq * lk * qg.element_size()
-    heads = max(1, min(hkv, BLOCK_BYTES // per_head))  # kv heads per block
+    heads = max(1, min(hkv, block_bytes // per_head))  # kv heads per block
     for i in range(b):
         bi = slice(i, i + 1)
         for j in range(0, hkv, heads):

@@ -31,7 +31,6 @@ import functools
 import json
 import os
 import platform
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -42,8 +41,9 @@ from torch import Tensor
 
 import multihead as mh
 import multihead.transformer.model as transformer_model
-from multihead.demo.progress import Progress
+from multihead.bench.stats import spread
 from multihead.demo.run import DemoConfig
+from multihead.progress import Progress
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LENGTHS = (256, 512, 1024, 2048, 4096, 8192)
@@ -88,9 +88,8 @@ class ConcatCache(mh.KVCache):
 
 
 def summary(values: list[float]) -> dict[str, float]:
-    """Median and quartiles of ``values``."""
-    q1, med, q3 = statistics.quantiles(values, n=4) if len(values) > 1 else (values[0],) * 3
-    return {"median": statistics.median(values), "q1": q1, "q3": q3}
+    """Median and quartiles of ``values`` (:func:`multihead.bench.stats.spread`, as a JSON-ready dict)."""
+    return spread(values)._asdict()
 
 
 def interleaved(

@@ -35,7 +35,6 @@ import platform
 import random
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
@@ -46,6 +45,8 @@ import torch.distributed as dist
 
 import multihead as mh
 from multihead import distributed as mhd
+from multihead.bench.stats import spread
+from multihead.progress import Progress
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGETS = {"time": 1.3, "memory": 1.5}  # one rank vs multihead.attention (issue 14)
@@ -161,6 +162,7 @@ def rank_job(cfg: dict, cases: list[Case]) -> dict:
         measure(case)
     rng = random.Random(0)  # the same order on every rank
     rows: dict[str, list] = {c.label: [] for c in cases}
+    bar = Progress(cfg["rounds"], "ring", enabled=rank == 0)
     for r in range(cfg["rounds"]):
         order = list(cases)
         rng.shuffle(order)
@@ -168,8 +170,8 @@ def rank_job(cfg: dict, cases: list[Case]) -> dict:
             got = measure(case)
             if got is not None:
                 rows[case.label].append(got)
-        if rank == 0:
-            _progress(r + 1, cfg["rounds"], f"round {r + 1}")
+        bar.update(1, round=r + 1)
+    bar.close()
     dist.barrier()
     return {"rank": rank, "rows": rows}
 
@@ -179,18 +181,9 @@ def rank_job(cfg: dict, cases: list[Case]) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 
-def _progress(i: int, n: int, label: str) -> None:
-    done = int(30 * i / n)
-    sys.stderr.write(f"\r[{'#' * done}{' ' * (30 - done)}] {i}/{n} {label:<30}")
-    sys.stderr.flush()
-    if i == n:
-        sys.stderr.write("\n")
-
-
 def _spread(values: list[float]) -> dict:
-    """Median and interquartile range."""
-    q1, med, q3 = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else values * 3
-    return {"median": med, "q1": q1, "q3": q3}
+    """Median and interquartile range (:func:`multihead.bench.stats.spread`, as a JSON-ready dict)."""
+    return spread(values)._asdict()
 
 
 def _environment(cfg: dict) -> dict:

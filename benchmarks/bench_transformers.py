@@ -24,7 +24,6 @@ import copy
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -35,8 +34,9 @@ from pathlib import Path
 import torch
 import transformers as T
 
-from multihead.demo.progress import Progress
+from multihead.bench.stats import spread
 from multihead.integrations import transformers as mhtf
+from multihead.progress import Progress
 
 RESULTS = Path(__file__).resolve().parent / "results"
 IMPLS = ("eager", "sdpa", "multihead")
@@ -136,8 +136,8 @@ def timed(fn: Callable[[], object]) -> tuple[float, float]:
 
 
 def quartiles(xs: list[float]) -> dict[str, float]:
-    q1, med, q3 = statistics.quantiles(xs, n=4, method="inclusive")
-    return {"q1": q1, "median": med, "q3": q3}
+    """Median and quartiles of ``xs`` (:func:`multihead.bench.stats.spread`, as a JSON-ready dict)."""
+    return spread(xs)._asdict()
 
 
 def run(rounds: int, new_tokens: int) -> list[dict]:

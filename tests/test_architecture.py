@@ -169,6 +169,7 @@ LAYER_RULES = [
 # The data flow of docs/architecture.md: a module may import only from its own rank or below.
 RANKS = {
     "_extras": 0,  # optional-dependency checks: imports nothing of multihead, usable from every layer
+    "progress": 0,  # the tools' progress bar: imports nothing of multihead
     "core": 0,
     "nn": 1,
     **dict.fromkeys(("transformer", "heads", "viz", "distributed"), 2),

@@ -12,7 +12,7 @@ import pytest
 
 import multihead
 from multihead import cli
-from multihead.demo.progress import Progress
+from multihead.progress import Progress
 
 SRC = Path(multihead.__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""Timing and memory: interleaved rounds, peak memory of one call, the progress bar.
+"""Timing and memory: interleaved rounds, peak memory of one call.
 
 Timing: every step of a case runs once per round, in turn (A B C A B C ...), after warm-up rounds, so
 machine load hits all of them alike and per-round ratios compare like with like. The number of rounds
@@ -16,17 +16,16 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import re
-import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import NamedTuple, TextIO
+from typing import NamedTuple
 
 import torch
 
 from .contenders import Step
 
-__all__ = ["Progress", "Settings", "available_bytes", "interleaved", "peak_memory", "track_cpu_memory"]
+__all__ = ["Settings", "available_bytes", "interleaved", "peak_memory", "track_cpu_memory"]
 
 
 class Settings(NamedTuple):
@@ -144,32 +143,3 @@ def available_bytes(device: torch.device) -> int:
     meminfo = Path("/proc/meminfo").read_text() if Path("/proc/meminfo").exists() else ""
     m = re.search(r"MemAvailable:\s+(\d+)", meminfo)
     return int(m.group(1)) * 1024 if m else 1 << 34
-
-
-class Progress:
-    """A one-line text progress bar on ``stream`` (stderr), one tick per case; ``None``: silent."""
-
-    def __init__(self, total: int, stream: TextIO | None = sys.stderr) -> None:
-        self.total, self.done, self.stream, self.t0 = max(1, total), 0, stream, time.time()
-        self.case = ""
-
-    def start(self, case: str) -> None:
-        self.case = case
-        self.note("")
-
-    def note(self, text: str) -> None:
-        if self.stream is None:
-            return
-        frac = self.done / self.total
-        bar = "#" * int(30 * frac) + "." * (30 - int(30 * frac))
-        line = f"\r[{bar}] {self.done}/{self.total} {time.time() - self.t0:6.1f}s {self.case[:40]} {text}"
-        self.stream.write(f"{line[:110]:<110}")
-        self.stream.flush()
-
-    def tick(self) -> None:
-        self.done += 1
-        self.note("done")
-
-    def close(self) -> None:
-        if self.stream is not None:
-            self.stream.write("\n")

@@ -10,15 +10,15 @@ attention gets its process group.
 from __future__ import annotations
 
 import platform
-import sys
 import time
 from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..progress import Progress
 from .cases import Case, Run, Suite, Sweep, flops
 from .contenders import CONTENDERS, Step, build, matmul_step
-from .measure import Progress, Settings, available_bytes, interleaved, peak_memory, track_cpu_memory
+from .measure import Settings, available_bytes, interleaved, peak_memory, track_cpu_memory
 from .records import Check, Result
 from .stats import Spread, per_round_ratio, spread
 from .targets import evaluate, evaluate_growth
@@ -88,7 +88,7 @@ def measure_case(
     case: Case, device: torch.device, settings: Settings, progress: Progress, *, memory: bool
 ) -> CaseRecord:
     """Time one case (interleaved; a memory-only case: one call each) and, with ``memory``, its memory."""
-    progress.start(case.name)
+    progress.update(0, case=case.name, step="")
     runs: dict[str, Run] = {r.label: r for r in case.runs}
     results: dict[str, Result] = {}
     steps = _build_steps(case, device, results)
@@ -104,10 +104,12 @@ def measure_case(
             mem = peak_memory(step, device)
             res = _result(case.variant(runs[label]), [time.perf_counter() - t0], None, settings.matmul_n)
             results[label] = replace(res, peak_memory_mib=mem)
-            progress.note(label)
+            progress.update(0, step=label)
     else:
         yardstick = {"matmul": matmul_step(device, settings.matmul_n)} if case.yardstick else {}
-        times, errors = interleaved({**steps, **yardstick}, device, settings, progress.note)
+        times, errors = interleaved(
+            {**steps, **yardstick}, device, settings, lambda text: progress.update(0, step=text)
+        )
         matmul = times.pop("matmul", None)
         if matmul:
             record.matmul_gflops = spread([2 * settings.matmul_n**3 / t / 1e9 for t in matmul])
@@ -118,7 +120,7 @@ def measure_case(
     record.results = {r.label: results[r.label] for r in case.runs if r.label in results}
     if memory and not case.memory_only:
         add_memory(record, device, progress)
-    progress.tick()
+    progress.update(1, step="done")
     return compare(record)
 
 
@@ -126,7 +128,7 @@ def add_memory(record: CaseRecord, device: torch.device, progress: Progress) -> 
     """The peak memory of every run of a timed case that completed (one call each, after a warm call)."""
     if not record.case.measure_memory:
         return
-    progress.start(record.case.name)
+    progress.update(0, case=record.case.name, step="")
     for r in record.case.runs:
         res = record.results.get(r.label)
         if res is not None and res.ok and res.peak_memory_mib is None:
@@ -135,7 +137,7 @@ def add_memory(record: CaseRecord, device: torch.device, progress: Progress) -> 
                 step.prepare()
             step.run()  # warm (lazy initialisation, thread pools) as in the timed rounds
             res.peak_memory_mib = peak_memory(step, device)
-            progress.note(f"memory of {r.label}")
+            progress.update(0, step=f"memory of {r.label}")
 
 
 def compare(record: CaseRecord) -> CaseRecord:
@@ -159,7 +161,7 @@ def compare(record: CaseRecord) -> CaseRecord:
 def _measure_in_own_process(case: Case, settings: Settings) -> CaseRecord:
     """Inside the fresh process (a rank of :func:`multihead.distributed.launch`): timings, then memory."""
     device = torch.device("cpu")
-    progress = Progress(1, None)
+    progress = Progress(1, "bench", enabled=False)
     record = measure_case(case, device, settings, progress, memory=False)
     if not case.memory_only:
         track_cpu_memory()
@@ -171,10 +173,10 @@ def in_own_process(case: Case, settings: Settings, progress: Progress) -> CaseRe
     """Measure ``case`` alone in a fresh process with a one-rank process group (CPU, gloo)."""
     from ..distributed import launch  # noqa: PLC0415  (only cases run in their own process need it)
 
-    progress.start(case.name)
-    progress.note("in its own process")
+    progress.update(0, case=case.name, step="")
+    progress.update(0, step="in its own process")
     (record,) = launch(_measure_in_own_process, 1, (case, settings), timeout=1800.0)
-    progress.tick()
+    progress.update(1, step="done")
     return record
 
 
@@ -182,7 +184,7 @@ def run_suite(
     suite: Suite, device: torch.device, settings: Settings, *, progress: bool = True, isolate: bool = True
 ) -> Report:
     """Run ``suite`` on ``device``; ``isolate``: CPU memory-only cases in their own processes too."""
-    bar = Progress(len(suite.cases), sys.stderr if progress else None)
+    bar = Progress(len(suite.cases), "bench", enabled=progress)
     alone = [c for c in suite.cases if c.own_process or (c.memory_only and isolate and device.type == "cpu")]
     here = [c for c in suite.cases if c not in alone]
     records = {

@@ -30,10 +30,10 @@ from torch import Tensor, nn
 
 from .. import checkpoint, heads, viz
 from .._extras import require
+from ..progress import Progress
 from ..transformer import Transformer
 from .data import BOS, EOS, PAD, Dataset, Split, date_pairs, make_dataset
 from .model import DemoConfig, build_model, save_models
-from .progress import Progress
 
 __all__ = ["DemoConfig", "build_model", "check_dependencies", "exact_match", "run"]
 

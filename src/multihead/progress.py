@@ -1,4 +1,5 @@
-"""A small dependency-free progress bar for the demo's long loops."""
+"""The one progress bar of the tools (demo, bench, the benchmark scripts): dependency-free, and redrawn in
+place only on a terminal."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import TextIO
 class Progress:
     """``[#####.....]  50%  500/1000  loss 0.123  12.3s``, redrawn in place on a terminal only.
 
-    The bar is drawn on ``file`` (default ``sys.stderr``). When that stream is a terminal the line is
+    The bar is drawn on ``file`` (default ``sys.stderr``); ``enabled=False`` draws nothing. When that stream is a terminal the line is
     redrawn in place at most 10 times a second; otherwise (a CI log, a pipe, a test) it is written as
     plain lines, one at each quarter of the way and the final one by :meth:`close`, with no carriage
     returns. Use as a context manager::
@@ -20,11 +21,14 @@ class Progress:
                 bar.update(1, loss=f"{loss:.3f}")
     """
 
-    def __init__(self, total: int, desc: str, *, file: TextIO | None = None, width: int = 28) -> None:
-        self.total, self.desc, self.width = max(1, int(total)), desc, width
+    def __init__(
+        self, total: int, desc: str, *, file: TextIO | None = None, width: int = 28, enabled: bool = True
+    ) -> None:
+        self.total, self.desc, self.width, self.enabled = max(1, int(total)), desc, width, enabled
         self.file = sys.stderr if file is None else file
         self.tty = bool(getattr(self.file, "isatty", lambda: False)())
-        self.done, self.info, self.start, self.last = 0, "", time.perf_counter(), 0.0
+        self.done, self.start, self.last = 0, time.perf_counter(), 0.0
+        self.info: dict[str, object] = {}
         self.quarter = 0  # quarters already written as plain lines (not a terminal)
 
     def __enter__(self) -> Progress:
@@ -39,13 +43,15 @@ class Progress:
         fill = int(frac * self.width)
         bar = "#" * fill + "." * (self.width - fill)
         secs = time.perf_counter() - self.start
-        return f"{self.desc:<10} [{bar}] {frac:4.0%} {self.done}/{self.total} {self.info} {secs:.1f}s"
+        info = "  ".join(f"{k} {v}" for k, v in self.info.items())
+        return f"{self.desc:<10} [{bar}] {frac:4.0%} {self.done}/{self.total} {info} {secs:.1f}s"
 
     def update(self, n: int = 1, **info: object) -> None:
-        """Advance by ``n`` and show ``info`` (``key value`` pairs) next to the bar."""
+        """Advance by ``n`` (0: only show) and show ``info`` (``key value`` pairs, each kept until replaced)."""
         self.done += n
-        if info:
-            self.info = "  ".join(f"{k} {v}" for k, v in info.items())
+        self.info.update(info)
+        if not self.enabled:
+            return
         if self.tty:
             now = time.perf_counter()
             if now - self.last > 0.1 or self.done >= self.total:
@@ -59,5 +65,7 @@ class Progress:
 
     def close(self) -> None:
         """Write the final line and a newline."""
+        if not self.enabled:
+            return
         self.file.write(("\r" if self.tty else "") + self.line() + "\n")
         self.file.flush()

@@ -14,12 +14,15 @@ The convention, everywhere in the library:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 __all__ = [
+    "BiasFn",
+    "MaskFn",
     "Normalized",
     "causal",
     "check_mask",
@@ -146,6 +149,14 @@ def to_bias(mask: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
+MaskFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+"""``fn(b, h, q_idx, kv_idx) -> bool tensor`` (True = may attend), called with broadcastable integer index
+tensors; written with elementwise tensor operations it is also a valid FlexAttention ``mask_mod``."""
+
+BiasFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+"""``fn(b, h, q_idx, kv_idx) -> float tensor`` added to the scores (ALiBi, relative positions)."""
+
+
 # ----------------------------------------------------------------------------------------------
 # Validation helpers (shared by attention(), attention_reference() and the modules)
 # ----------------------------------------------------------------------------------------------
@@ -242,12 +253,27 @@ class Normalized:
     ``row_ok``: bool (B|1, H|1, Lq|1, 1) or ``None``: ``False`` for query rows with no allowed key.
     Such rows have been re-opened in ``mask``/``bias`` (so kernels never see an all ``-inf`` row and
     gradients stay finite); the backend multiplies their output and weights by ``row_ok`` -> 0.
+
+    The function part (never expanded to a dense (Lq, Lk) tensor at long lengths; ``None`` = absent):
+    ``mask_fn``: a :data:`MaskFn` that ANDs with ``mask``; ``bias_fn``: a :data:`BiasFn` added with ``bias``;
+    ``segments``: ``(q_ids (B, Lq), kv_ids (B, Lk))`` int64 packed-sequence ids (a query sees only keys of
+    its own id; negative ids are padding). When any of these is set, dead rows cannot be known without
+    evaluating them: ``row_ok`` then covers the dense part only, and a backend serving the call must give
+    rows with no allowed key output 0 itself.
     """
 
     mask: Tensor | None
     bias: Tensor | None
     causal: bool
     row_ok: Tensor | None
+    mask_fn: MaskFn | None = None
+    bias_fn: BiasFn | None = None
+    segments: tuple[Tensor, Tensor] | None = None
+
+    @property
+    def has_functions(self) -> bool:
+        """Whether part of the masking is given as functions or segment ids (not as dense tensors)."""
+        return self.mask_fn is not None or self.bias_fn is not None or self.segments is not None
 
 
 def normalize(

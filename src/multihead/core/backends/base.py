@@ -31,6 +31,8 @@ class AttentionCall:
     scale: float
     dropout: float
     return_weights: bool
+    softcap: float | None = None  # scores -> softcap * tanh(scores / softcap), after scaling, before bias
+    sinks: Tensor | None = None  # (H,) per-head logits in every softmax denominator, with no value
 
     @property
     def groups(self) -> int:

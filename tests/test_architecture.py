@@ -151,7 +151,7 @@ def _in(module: str, areas: tuple[str, ...]) -> bool:
 
 # Layering: (the modules the rule is about, what they must not import, why)
 _ABOVE_CORE = ("nn", "transformer", "heads", "viz", "distributed", "compat", "integrations")
-_TOOLS = ("bench", "demo", "cli", "export", "testing")
+_TOOLS = ("bench", "demo", "cli", "commands", "export", "testing")
 LAYER_RULES = [
     (
         f"{PACKAGE}.core",
@@ -176,7 +176,7 @@ RANKS = {
     **dict.fromkeys(
         ("", "compat", "integrations", "checkpoint"), 3
     ),  # "": the package's __init__, the public names
-    **dict.fromkeys(("export", "cli", "bench", "demo", "testing", "__main__"), 4),
+    **dict.fromkeys(("export", "cli", "commands", "bench", "demo", "testing", "__main__"), 4),
 }
 
 

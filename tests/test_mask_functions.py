@@ -285,3 +285,30 @@ def test_random_lengths_function_equals_dense(lq, lk, window, causal, chunk):
         got = mh.attention(q, k, v, mask=both, backend=backend)
         want = mh.attention_reference(q, k, v, mask=_dense(both, lq, lk, 1, 2))
         torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+
+
+def test_blocks_tile_the_materialized_grid():
+    """evaluate_block over a tiling of (Lq, Lk) = the whole grid (what a block-skipping backend sees)."""
+    ids = (torch.tensor([[0, 0, 1, 1, -1], [2, 2, 2, 2, 2]]), torch.tensor([[0, 0, 0, 1, 1, 1, -1], [2] * 7]))
+    norm = masks.normalize(
+        (B, H, LQ, LK),
+        mask=masks.sliding_window_fn(4, lq=LQ, lk=LK),
+        bias=masks.alibi_fn(H, lq=LQ, lk=LK),
+        valid_lens=torch.tensor([6, 0]),
+        segment_ids=ids,
+        causal=True,
+    )
+    whole_keep, whole_bias = masks.evaluate_block(
+        norm, (B, H, LQ, LK), slice(None), slice(None), torch.float64
+    )
+    for q0, q1 in ((0, 2), (2, 5)):
+        for k0, k1 in ((0, 3), (3, 7)):
+            keep, bias = masks.evaluate_block(
+                norm, (B, H, LQ, LK), slice(q0, q1), slice(k0, k1), torch.float64
+            )
+            want_keep = whole_keep.expand(B, H, LQ, LK)[:, :, q0:q1, k0:k1]
+            assert torch.equal(keep.expand_as(want_keep), want_keep)
+            want_bias = whole_bias.expand(B, H, LQ, LK)[:, :, q0:q1, k0:k1]
+            torch.testing.assert_close(bias.expand_as(want_bias), want_bias)
+    dense = masks.materialize(norm, (B, H, LQ, LK), torch.float64)
+    assert dense.row_ok is not None and not dense.row_ok[1].any()  # valid_lens 0: batch row 1 is dead

@@ -45,6 +45,7 @@ __all__ = [
     "check_segment_ids",
     "chunked_fn",
     "combine",
+    "evaluate_block",
     "evaluate_fn",
     "from_valid_lens",
     "index_grid",
@@ -759,7 +760,9 @@ class Normalized:
     bottom-right aligned causal rule ``j <= i + (Lk - Lq)``, ANDed with everything else, for any Lq, Lk.
     ``row_ok`` covers the dense part only: rows that the functions, segments or causality leave with no
     allowed key are unknown until evaluated, and a backend serving the call must give them output 0
-    (weights 0, finite gradients) itself. :func:`materialize` turns this into the dense form.
+    (weights 0, finite gradients) itself. :func:`materialize` turns this into the dense form;
+    :func:`evaluate_block` gives one block of it (a block-skipping backend's view);
+    :func:`multihead.segments.segment_runs` gives the contiguous runs of ``segments`` (varlen kernels).
     The allowed set is ``mask & mask_fn & segments & causal & (bias + bias_fn > -inf)``.
     """
 
@@ -860,16 +863,54 @@ def materialize(
     """
     if not norm.has_functions:
         return norm
-    _, _, lq, lk = target
-    keep = combine(norm.mask, norm.row_ok)  # dense rows found dead stay dead
-    bias = norm.bias
-    if norm.mask_fn is not None:
-        keep = combine(keep, evaluate_fn(norm.mask_fn, target, "mask", device))
-    if norm.segments is not None:
-        keep = combine(keep, segment_mask(*norm.segments))  # (B, 1, Lq, Lk)
-    if norm.causal:
-        keep = combine(keep, (_offsets(lq, lk, device) <= 0).view(1, 1, lq, lk))  # bottom-right causal
-    if norm.bias_fn is not None:
-        extra = evaluate_fn(norm.bias_fn, target, "bias", device).to(dtype)
-        bias = extra if bias is None else bias + extra
+    keep, bias = evaluate_block(norm, target, slice(None), slice(None), dtype, device)
     return _dense(keep, bias)
+
+
+def evaluate_block(
+    norm: Normalized,
+    target: tuple[int, int, int, int],
+    q: slice,
+    kv: slice,
+    dtype: torch.dtype,
+    device: torch.device | str | None = None,
+) -> tuple[Tensor | None, Tensor | None]:
+    """Everything ``norm`` says about one block of queries ``q`` x keys ``kv`` (slices of [0, Lq), [0, Lk)).
+
+    Returns ``(keep, bias)``: bool (B|1, H|1, q_len|1, kv_len|1) -- the dense mask and dense dead rows,
+    the mask function, the segment ids and bottom-right causality, ANDed -- and float (B|1, H|1,
+    q_len|1, kv_len|1) in ``dtype`` -- the dense bias plus the bias function -- each ``None`` if nothing
+    applies. A block-skipping backend calls this per block; :func:`materialize` calls it once for the
+    whole grid. Dead rows are *not* handled here (a row is dead only if all its blocks are).
+    """
+    b, h, lq, lk = target
+    q0, q1, _ = q.indices(lq)
+    k0, k1, _ = kv.indices(lk)
+
+    def cut(t: Tensor | None) -> Tensor | None:  # (B|1, H|1, Lq|1, Lk|1) -> (B|1, H|1, q_len|1, kv_len|1)
+        if t is not None and t.shape[2] > 1:
+            t = t[:, :, q0:q1]
+        if t is not None and t.shape[3] > 1:
+            t = t[:, :, :, k0:k1]
+        return t
+
+    keep = combine(cut(norm.mask), cut(norm.row_ok))  # dense rows found dead stay dead
+    bias = cut(norm.bias)
+    shape = (b, h, q1 - q0, k1 - k0)
+    idx = (
+        torch.arange(b, device=device).view(b, 1, 1, 1),  # (B, 1, 1, 1)
+        torch.arange(h, device=device).view(1, h, 1, 1),  # (1, H, 1, 1)
+        torch.arange(q0, q1, device=device).view(1, 1, q1 - q0, 1),  # (1, 1, q_len, 1)
+        torch.arange(k0, k1, device=device).view(1, 1, 1, k1 - k0),  # (1, 1, 1, kv_len)
+    )
+    if norm.mask_fn is not None:
+        keep = combine(keep, check_fn_output(norm.mask_fn(*idx), norm.mask_fn, "mask", shape))
+    if norm.segments is not None:
+        q_ids, kv_ids = norm.segments
+        keep = combine(keep, segment_mask(q_ids[:, q0:q1], kv_ids[:, k0:k1]))  # (B, 1, q_len, kv_len)
+    if norm.causal:
+        keep = combine(keep, idx[3] - idx[2] <= lk - lq)  # (1, 1, q_len, kv_len), bottom-right causal
+    if norm.bias_fn is not None:
+        extra = check_fn_output(norm.bias_fn(*idx), norm.bias_fn, "bias", shape).to(dtype)
+        bias = extra if bias is None else bias + extra
+    return keep, bias

@@ -9,6 +9,8 @@ import torch
 
 import multihead as mh
 
+MODERN_KINDS = ["segments", "window_fn", "alibi_fn", "softcap+sinks"]
+
 
 def make_qkv(b, h, hkv, lq, lk, dk, dv, dtype=torch.float32, seed=0, requires_grad=False):
     """q (B, H, Lq, Dk), k (B, Hkv, Lk, Dk), v (B, Hkv, Lk, Dv), drawn in float64 and cast to ``dtype``."""
@@ -23,7 +25,11 @@ def make_qkv(b, h, hkv, lq, lk, dk, dv, dtype=torch.float32, seed=0, requires_gr
 
 
 def mask_kwargs(kind, b, h, lq, lk, seed=1, bias_dtype=torch.float32):
-    """Attention keywords for one mask kind, with a few fully masked rows where the kind allows."""
+    """Attention keywords for one mask kind, with a few fully masked rows where the kind allows.
+
+    The kinds of issue 21 (``MODERN_KINDS``): packed ``segments`` (padding ids sorted first, so some
+    queries are padding), a ``window_fn`` mask function, an ``alibi_fn`` bias function (a plain
+    function, not a BiasFunction) and ``softcap+sinks``."""
     g = torch.Generator().manual_seed(seed)
     if kind == "none":
         return {}
@@ -41,6 +47,15 @@ def mask_kwargs(kind, b, h, lq, lk, seed=1, bias_dtype=torch.float32):
         return {"valid_lens": torch.randint(0, lk + 1, (b, lq), generator=g)}
     if kind == "window+causal":
         return {"mask": mh.masks.sliding_window(lq, lk, window=3), "causal": True}
+    if kind == "segments":  # packed rows, queries at the end (bottom right), causal within each sequence
+        ids = torch.sort(torch.randint(-1, 3, (b, max(lq, lk)), generator=g), dim=1).values  # (B, L)
+        return {"segment_ids": (ids[:, ids.shape[1] - lq :], ids[:, ids.shape[1] - lk :]), "causal": True}
+    if kind == "window_fn":
+        return {"mask": mh.masks.sliding_window_fn(3, lq=lq, lk=lk), "causal": True}
+    if kind == "alibi_fn":
+        return {"bias": mh.masks.alibi_fn(h, lq=lq, lk=lk).fn, "valid_lens": torch.tensor([lk, 1][:b])}
+    if kind == "softcap+sinks":
+        return {"softcap": 4.0, "sinks": torch.randn(h, generator=g, dtype=bias_dtype), "causal": True}
     if kind == "all":
         return {
             "mask": torch.rand(lq, lk, generator=g) > 0.2,

@@ -4,7 +4,7 @@ from functools import partial
 
 import pytest
 import torch
-from attention_cases import make_qkv, mask_kwargs
+from attention_cases import MODERN_KINDS, make_qkv, mask_kwargs
 
 import multihead as mh
 from multihead import masks
@@ -63,6 +63,24 @@ def test_weights_match_reference(backend, kind, heads):
     assert rep.fast_weights is not None and rep.ok, rep
     if backend == "auto":
         check_auto_choice(q, k, v, return_weights=True, **kw)
+
+
+@pytest.mark.parametrize("backend", ["math", "sdpa"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("kind", MODERN_KINDS)
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: "x".join(map(str, s)))
+def test_modern_kinds_match_reference(backend, dtype, kind, size):
+    """Segments, mask/bias functions, softcap and sinks at the awkward sizes (GQA); sdpa refuses softcap."""
+    lq, lk, dk, dv = size
+    q, k, v = make_qkv(2, 8, 2, lq, lk, dk, dv, dtype)
+    kw = mask_kwargs(kind, 2, 8, lq, lk, bias_dtype=dtype)
+    if backend == "sdpa" and "softcap" in kw:
+        assert any("soft-cap" in r for r in mh.core.explain_backends(q, k, v, **kw)["sdpa"])
+        return
+    rep = compare_to_reference(partial(mh.attention, backend=backend), q, k, v, **kw)
+    if dtype == torch.float64:
+        assert rep.fast <= 1e-10, rep
+    assert rep.ok, rep
 
 
 def test_long_key_sequence_1025():

@@ -193,3 +193,15 @@ def test_pack_refuses_what_does_not_fit():
         segments.pack([torch.zeros(4, 2)], capacity=3)
     with pytest.raises(ValueError, match="every sequence"):
         segments.pack([torch.zeros(2, 2), torch.zeros(2, 3)])
+
+
+def test_module_refusals_name_the_fix():
+    mha = mh.MultiHeadAttention(8, 2, rotary=True)
+    ids = torch.zeros(1, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="KV cache and segment_ids"):
+        mha(torch.randn(1, 3, 8), causal=True, segment_ids=ids, cache=mh.KVCache())
+    dec = mh.TransformerDecoderLayer(8, 2, 16)
+    with pytest.raises(ValueError, match="memory_segment_ids needs segment_ids"):
+        dec(
+            torch.randn(1, 3, 8), torch.randn(1, 4, 8), memory_segment_ids=torch.zeros(1, 4, dtype=torch.long)
+        )

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import multihead as mh
 from multihead.core.attention import prepare
 from multihead.core.backends.flex import FlexBackend
+from multihead.core.backends.math import MathBackend
 from multihead.testing import compare_to_reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
@@ -221,3 +222,20 @@ def test_module_sinks_softcap_and_backend():
         mh.MultiHeadAttention(16, 4, backend="fast")
     with pytest.raises(TypeError, match="sinks must be a bool"):
         mh.MultiHeadAttention(16, 4, sinks=torch.zeros(4))
+
+
+@pytest.mark.parametrize("return_weights", [False, True])
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_math_cache_blocked_path(kind, return_weights):
+    """The inference path that works block by block in preallocated buffers: softcap and sinks too."""
+    kw, allowed = KINDS[kind]
+    q, k, v = make_qkv(B, H, HKV, LQ, LK, D, D, torch.float64)
+    backend = MathBackend(block_bytes=64)
+    with torch.no_grad():
+        call = prepare(q, k, v, softcap=2.0, sinks=SINKS, return_weights=return_weights, **kw)
+        assert backend.blocked(call)
+        out, weights = backend(call)
+    want_out, want_w = oracle(q, k, v, allowed.expand(B, H, LQ, LK), 2.0, SINKS)
+    torch.testing.assert_close(out, want_out, atol=1e-12, rtol=1e-12)
+    if return_weights:
+        torch.testing.assert_close(weights, want_w, atol=1e-12, rtol=1e-12)

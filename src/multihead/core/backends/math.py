@@ -84,7 +84,9 @@ class MathBackend:
         if m.causal:  # only when Lq == Lk and nothing else masks
             keep = causal(lq, lk, device=q.device).view(1, 1, lq, lk)  # (1, 1, Lq, Lk)
         keep = group_mask(keep, h, hkv, lq)  # (B|1, Hkv|1, G*Lq|1, Lk|1)
-        extra = _Extras(call.softcap, group_sinks(call.sinks, hkv, lq))  # sinks (1, Hkv, G*Lq, 1)
+        extra = _Extras(
+            call.softcap, group_sinks(call.sinks, hkv, lq), call.return_weights
+        )  # (1, Hkv, G*Lq, 1)
         if self.blocked(call):
             out, weights = _attend_blocked(qg, k, v, bias, keep, extra, self.block_bytes)
         else:
@@ -96,10 +98,12 @@ class MathBackend:
 
 
 class _Extras(NamedTuple):
-    """Softcap (a float or None) and grouped sinks (1, Hkv, G*Lq, 1) or None."""
+    """Softcap (a float or None), grouped sinks (1, Hkv, G*Lq, 1) or None, and whether the weights are
+    returned (with sinks they are then scaled too; otherwise only the output is)."""
 
     softcap: float | None = None
     sinks: Tensor | None = None
+    weights_out: bool = True
 
 
 _NO_EXTRAS = _Extras()
@@ -129,16 +133,21 @@ def _attend(
         scores = scores.add_(bias)  # in place: neither matmul's nor tanh's * c backward needs its output
     if keep is not None:
         scores = scores.masked_fill_(~keep, float("-inf"))
-    # With a sink: e^s / (sum e^s + e^sink) = softmax(s) * sigmoid(logsumexp(s) - sink).
+    # With a sink: e^s / (sum e^s + e^sink) = softmax(s) * sigmoid(logsumexp(s) - sink), a factor per row:
+    # it scales the output (G*Lq x Dv) rather than the weights (G*Lq x Lk) unless those are returned.
     sink_share = None
     if extra.sinks is not None:
         sink_share = torch.sigmoid(torch.logsumexp(scores, dim=-1, keepdim=True) - extra.sinks)  # (..., 1)
     weights = torch.softmax(scores, dim=-1, out=w_buf) if w_buf is not None else torch.softmax(scores, dim=-1)
     del scores  # the one (B, Hkv, G*Lq, Lk) tensor alive from here on is `weights`
-    if sink_share is not None:
+    if sink_share is not None and extra.weights_out:
         weights = weights.mul_(sink_share) if w_buf is not None else weights * sink_share
+        sink_share = None
     dropped = F.dropout(weights, p=dropout) if dropout > 0 else weights
-    return torch.matmul(dropped, v, out=o_buf), weights  # (B, Hkv, G*Lq, Dv), (B, Hkv, G*Lq, Lk)
+    out_ = torch.matmul(dropped, v, out=o_buf)  # (B, Hkv, G*Lq, Dv)
+    if sink_share is not None:
+        out_ = out_.mul_(sink_share) if o_buf is not None else out_ * sink_share
+    return out_, weights  # (B, Hkv, G*Lq, Dv), (B, Hkv, G*Lq, Lk)
 
 
 def _sl(t: Tensor | None, dim: int, s: slice) -> Tensor | None:
@@ -172,6 +181,6 @@ def _attend_blocked(
             hj = slice(j, min(hkv, j + heads))
             blk = [t[bi, hj] for t in (qg, k, v, out, weights)]
             mb, mk = (_sl(_sl(t, 0, bi), 1, hj) for t in (bias, keep))
-            part = _Extras(extra.softcap, _sl(extra.sinks, 1, hj))
+            part = _Extras(extra.softcap, _sl(extra.sinks, 1, hj), extra.weights_out)
             _attend(blk[0], blk[1], blk[2], mb, mk, part, out=(blk[3], blk[4]))
     return out, weights

@@ -45,6 +45,7 @@ from .base import AttentionCall
 __all__ = ["BlockedBackend", "packed_runs"]
 
 _DTYPES = (torch.float32, torch.float64)
+PROBE = 16384  # (query, key) pairs of one mask probe: half PyTorch's grain size, so it runs serially
 Run = tuple[int, int, int, int]  # (q start, q end, k start, k end) of one packed sequence
 
 
@@ -159,12 +160,13 @@ class BlockedBackend:
             for start, piece in zip(qcut[0], q[bi].split(qcut[1], dim=1), strict=True):  # (H, len, Dk)
                 run = at.get(start)
                 if run is None:  # padding, or an id with no keys: output 0
-                    pieces.append(q.new_zeros(h, piece.shape[1], dv))
+                    o = q.new_zeros(h, piece.shape[1], dv)
                 else:
                     ki, vi = kp[run[2]][None], vp[run[2]][None]  # (1, Hkv, len, D)
-                    pieces.append(self._one_run(call, bi, run, piece[None], ki, vi)[0])  # (H, len, Dv)
+                    o = self._one_run(call, bi, run, piece[None], ki, vi)[0]  # (H, len, Dv)
+                pieces.append(o)
             rows.append(torch.cat(pieces, dim=1) if pieces else q.new_zeros(h, lq, dv))  # (H, Lq, Dv)
-        return torch.stack(rows)  # (B, H, Lq, Dv)
+        return rows[0][None] if len(rows) == 1 else torch.stack(rows)  # (B, H, Lq, Dv)
 
     def _one_run(self, call: AttentionCall, bi: int, run: Run, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q (1, H, n, Dk) against k/v (1, Hkv, w, D) of one packed sequence -> (1, H, n, Dv)."""
@@ -284,24 +286,40 @@ class _Frame:
         return self.q0 + self.offset - self.k0
 
     def spans(self, i0: int, i1: int, lk: int, span: int) -> Iterator[tuple[int, int, Tensor | None]]:
-        """For queries i0:i1, the key spans (j0, j1, keep (Bs|1, H|1, n, w) or None = all allowed) with
-        at least one allowed pair, each within one chunk of ``span`` keys and trimmed to its first and
-        last key that some query of the block may see."""
+        """For queries i0:i1, the key spans (j0, j1, keep (Bs|1, H|1, n, w) or None = all allowed) to
+        compute: at most ``span`` keys each, with no key that no query of the block may see at either end.
+
+        The mask is evaluated on probes of at most :data:`PROBE` (query, key) pairs: small enough to stay
+        in cache and under PyTorch's grain size (no thread pool for them), so a probe that finds nothing
+        allowed costs a few serial passes over 16K booleans. Probes past the causal diagonal never run.
+        """
+        n = i1 - i0
         hi = min(lk, i1 + self.diagonal) if self.causal else lk  # keys past hi: beyond the diagonal
-        for c0 in range(0, max(hi, 0), span):
-            c1 = min(hi, c0 + span)
+        width = max(1, PROBE // n)
+        start, end, pieces = 0, 0, []  # the span being gathered: keys start:end, its keep pieces
+        for c0 in range(0, max(hi, 0), width):
+            c1 = min(hi, c0 + width)
             keep = self.keep(i0, i1, c0, c1)
-            if keep is None:
-                yield c0, c1, None
-                continue
-            cols = keep.reshape(-1, keep.shape[-1]).any(0)  # (w|1,) some query of the block sees key j
-            seen = cols.nonzero()
-            if seen.numel() == 0:
-                continue  # the whole chunk is forbidden: never computed
-            a, z = (0, c1 - c0) if cols.numel() == 1 else (int(seen[0]), int(seen[-1]) + 1)
-            if keep.shape[-1] > 1:
-                keep = keep[..., a:z]
-            yield c0 + a, c0 + z, None if bool(keep.all()) else keep
+            a, z = 0, c1 - c0
+            if keep is not None:
+                cols = keep.reshape(-1, keep.shape[-1]).any(0)  # (w|1,) some query of the block sees key j
+                seen = cols.nonzero()
+                if seen.numel() == 0:
+                    continue  # nothing allowed in this probe: never computed
+                if cols.numel() > 1:
+                    a, z = int(seen[0]), int(seen[-1]) + 1
+                    keep = keep[..., a:z]
+                if bool(keep.all()):
+                    keep = None
+            if pieces and (c0 + a != end or c0 + z - start > span):
+                yield start, end, _joined(pieces)
+                pieces = []
+            if not pieces:
+                start = c0 + a
+            end = c0 + z
+            pieces.append((z - a, keep))
+        if pieces:
+            yield start, end, _joined(pieces)
 
     def _index(self, i0: int, i1: int, j0: int, j1: int, device: torch.device) -> tuple[Tensor, ...]:
         """Global (b, h, q_idx, kv_idx) int64 index tensors of a tile, broadcastable to (Bs, H, n, w)."""
@@ -364,6 +382,19 @@ class _Frame:
         return out
 
 
+def _joined(pieces: list[tuple[int, Tensor | None]]) -> Tensor | None:
+    """The keep mask of a span from its probes' (width, keep or None = all allowed) -> (Bs|1, H|1, n, w)."""
+    masks = [m for _, m in pieces if m is not None]
+    if not masks:
+        return None
+    if len(pieces) == 1:
+        return masks[0]
+    lead = torch.broadcast_shapes(*(m.shape[:-1] for m in masks))  # (Bs|1, H|1, n)
+    parts = [torch.ones((), dtype=torch.bool, device=masks[0].device).expand(*lead, w) if m is None
+             else m.expand(*lead, w) for w, m in pieces]  # fmt: skip
+    return torch.cat(parts, dim=-1)
+
+
 # ----------------------------------------------------------------------------------------------
 # Spans through the fused CPU kernel, joined by their log-sum-exp
 # ----------------------------------------------------------------------------------------------
@@ -387,14 +418,11 @@ def _fused(qg: Tensor, k: Tensor, v: Tensor, spans: list[tuple[int, int, Tensor 
         if bias is not None and bool(torch.isneginf(bias).any()):
             allowed = ~torch.isneginf(bias) if keep is None else keep & ~torch.isneginf(bias)
         row_ok = None if allowed is None else allowed.any(dim=-1, keepdim=True)  # (Bs|1, H|1, n, 1)
+        if row_ok is not None and bool(row_ok.all()):
+            row_ok = None  # the common case: every row sees a key of this span
         mask = bias
-        if keep is not None:
-            base = bias if bias is not None else qg.new_zeros(())
-            mask = (
-                base.masked_fill(~keep, float("-inf"))
-                if bias is not None
-                else base.expand(keep.shape).masked_fill(~keep, float("-inf"))
-            )
+        if keep is not None:  # one pass: the bias (or 0) where allowed, -inf elsewhere
+            mask = torch.where(keep, qg.new_zeros(()) if bias is None else bias, float("-inf"))
         if mask is not None and row_ok is not None:
             mask = mask.masked_fill(~row_ok, 0.0)  # rows that see nothing here: re-opened, zeroed below
         if mask is not None:

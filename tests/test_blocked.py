@@ -408,3 +408,40 @@ def test_blocked_comes_after_sdpa_and_before_math():
 def test_constructor_checks_its_sizes():
     with pytest.raises(ValueError, match="block_q must be a positive int"):
         BlockedBackend(block_q=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# End to end through multihead.attention
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(mask=_window(6), causal=True),
+        dict(bias=_alibi(4), mask=_window(9, causal=False)),
+        dict(segment_ids=_packed([9, 14, 3], pad=6).expand(2, -1), causal=True),
+        dict(
+            segment_ids=_packed([9, 14, 3], pad=6).expand(2, -1),
+            softcap=3.0,
+            sinks=torch.tensor([0.0, 1.0, -1.0, 0.5]),
+        ),
+        dict(mask=_window(5), softcap=2.0, valid_lens=torch.tensor([30, 11])),
+    ],
+    ids=["window", "alibi-window", "segments", "segments-softcap-sinks", "window-softcap-valid-lens"],
+)
+def test_through_attention_matches_the_reference(kwargs):
+    q, k, v = _qkv(2, 4, 2, 32, 32, 8, torch.float64)
+    got = mh.attention(q, k, v, backend="blocked", **kwargs)
+    want = mh.attention_reference(q, k, v, **kwargs)
+    assert torch.allclose(got, want, atol=1e-12)
+
+
+def test_auto_picks_blocked_where_a_dense_grid_would_be_too_big():
+    """Past the dense backends' grid limit a function-mode CPU call goes to blocked, not math."""
+    q, k, v = (t.expand(1, 1, 9000, 1) for t in _qkv(1, 1, 1, 1, 1, 1))  # 81M scores: over 2**26
+    why = mh.core.explain_backends(q, k, v, mask=_window(8), causal=True)
+    assert why["sdpa"] and why["blocked"] == []
+    assert next(n for n in backends.AUTO_ORDER if not why[n]) == "blocked"
+    why = mh.core.explain_backends(q, k, v, softcap=5.0)  # dense with softcap: sdpa cannot, blocked can
+    assert next(n for n in backends.AUTO_ORDER if not why[n]) == "blocked"

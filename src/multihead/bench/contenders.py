@@ -269,7 +269,13 @@ def _sequences_attention(case: Case, device: torch.device) -> Step:
 def _padded_attention(case: Case, device: torch.device) -> Step:
     """The batch padded to its longest sequence, (N, H, max n, D), the padding hidden by valid_lens."""
     longest, lens = max(case.lengths), torch.tensor(case.lengths, device=device)
-    q, k, v = _qkv(replace(case, batch=len(case.lengths), length=longest, lengths=()), device)
+    seqs, grad = _ragged_inputs(case, device), case.mode == "train"
+    q, k, v = (
+        torch.stack(
+            [F.pad(s[i].detach()[0], (0, 0, 0, longest - s[i].shape[2])) for s in seqs]
+        ).requires_grad_(grad)
+        for i in range(3)
+    )  # (N, H, max n, D) each, zeros past every sequence's end
     return _step(lambda: attention(q, k, v, valid_lens=lens, causal=case.causal), case, [q, k, v])
 
 

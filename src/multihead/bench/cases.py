@@ -138,10 +138,12 @@ class Suite(NamedTuple):
     sweeps: list[Sweep]
 
     def only(self, text: str | None) -> Suite:
-        """The cases whose name contains ``text`` (and the sweeps all of whose cases remain)."""
+        """The cases whose name contains ``text``, or one of its comma-separated parts (and the sweeps
+        all of whose cases remain)."""
         if not text:
             return self
-        cases = [c for c in self.cases if text in c.name]
+        parts = [p for p in text.split(",") if p]
+        cases = [c for c in self.cases if any(p in c.name for p in parts)]
         names = {c.name for c in cases}
         return Suite(cases, [s for s in self.sweeps if set(s.cases) <= names])
 

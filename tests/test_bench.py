@@ -14,6 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import multihead as mh
 from multihead import cli
 from multihead.bench import Case, Result, Settings, Spread, Target, cpu_suite, cuda_suite, flops, row
+from multihead.bench.cases import ragged_lengths
 from multihead.bench.contenders import CONTENDERS, build
 from multihead.bench.report import load, markdown
 from multihead.bench.runner import _measure_in_own_process
@@ -225,3 +226,53 @@ def test_decode_step_equals_its_bare_work_and_keeps_its_length(steps):
         out = ours.run()
         torch.testing.assert_close(out, bare.run())
         assert out.shape == (2, 1, 32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Ragged batches and sliding windows
+# ----------------------------------------------------------------------------------------------
+
+
+def test_ragged_lengths_are_long_tailed_and_fixed():
+    lengths = ragged_lengths()
+    assert lengths == ragged_lengths() and len(lengths) == 32
+    assert min(lengths) >= 32 and max(lengths) == 1024
+    assert sorted(lengths)[16] < 300  # most sequences short, a few long
+
+
+def test_flops_of_ragged_and_window_cases_count_the_visible_pairs():
+    ragged = Case("x", 1, 12, 32, 4, causal=True, level="attention", lengths=(3, 9))
+    parts = [Case("x", 1, n, 32, 4, causal=True, level="attention") for n in (3, 9)]
+    assert flops(ragged) == sum(flops(c) for c in parts)
+    n, w = 40, 7
+    keep = mh.masks.sliding_window(n, window=w)  # causal window of w keys, bottom-right aligned
+    window = Case("x", 2, n, 32, 4, causal=True, level="attention", window=w)
+    assert flops(window) == 4 * 2 * 4 * 8 * int(keep.sum())
+    assert "window=7" in window.shape() and "2 sequences of 3-9 tokens" in ragged.shape()
+
+
+@pytest.mark.parametrize("mode", ["forward", "train"])
+def test_packed_sequences_and_padded_compute_the_same(mode):
+    """The three ragged-batch contenders run the same attention on the same numbers."""
+    lengths = (3, 7, 2, 5)
+    case = Case("x", 1, sum(lengths), 32, 4, causal=True, mode=mode, level="attention", lengths=lengths)
+    cpu = torch.device("cpu")
+    if mode == "train":  # each step runs forward + backward and returns nothing: it must not fail
+        for name in ("packed", "sequences", "padded"):
+            build(name, case, cpu).run()
+        return
+    packed = build("packed", case, cpu).run()  # (1, H, sum n, D)
+    sequences = build("sequences", case, cpu).run()  # [(1, H, n, D)]
+    padded = build("padded", case, cpu).run()  # (N, H, max n, D)
+    for i, (piece, n) in enumerate(zip(packed.split(lengths, dim=2), lengths, strict=True)):
+        torch.testing.assert_close(piece, sequences[i])
+        torch.testing.assert_close(piece[0], padded[i, :, :n])
+
+
+def test_window_contender_passes_a_mask_function():
+    case = Case("x", 1, 24, 32, 4, causal=True, level="attention", window=5)
+    got = build("multihead", case, torch.device("cpu")).run()  # (1, H, L, D)
+    torch.manual_seed(0)  # the contender's inputs
+    q, k, v = (torch.randn(1, 4, 24, 8) for _ in range(3))
+    want = mh.attention_reference(q, k, v, mask=mh.masks.sliding_window(24, window=5))
+    torch.testing.assert_close(got, want)

@@ -8,19 +8,33 @@ FLOPs of one call (:func:`flops`), counting a multiply-add as 2:
 * projections (module and decode levels): ``2*B*Lq*E*(H*D + 2*Hkv*D)`` for Q, K and V of the Lq new
   tokens (``2*B*L*E*3E`` for plain multi-head self-attention) plus ``2*B*Lq*E*E`` for the output;
 * attention: ``4*B*H*D`` per visible (query, key) pair: ``Lq*Lk`` pairs, or with ``causal`` (bottom-right
-  aligned) ``Lq*Lk - Lq*(Lq-1)/2``;
+  aligned) ``Lq*Lk - Lq*(Lq-1)/2``; a ragged batch counts each sequence's pairs (what is useful: the
+  padded contender does more), a causal sliding window of W keys ``sum_i min(i + 1, W)``;
 * forward + backward: 3x the projections (two matmuls per matmul in backward) and 3.5x the attention
   (flash-attention's convention: the backward recomputes the scores, 2.5x the forward).
 """
 
 from __future__ import annotations
 
+import math
+import random
 from dataclasses import dataclass, replace
 from typing import Literal, NamedTuple
 
 from .targets import Target
 
-__all__ = ["OURS", "Case", "Run", "Suite", "Sweep", "cpu_suite", "cuda_suite", "flops", "row"]
+__all__ = [
+    "OURS",
+    "Case",
+    "Run",
+    "Suite",
+    "Sweep",
+    "cpu_suite",
+    "cuda_suite",
+    "flops",
+    "ragged_lengths",
+    "row",
+]
 
 OURS = "multihead"
 
@@ -78,6 +92,9 @@ class Case:
     steps: int = 1
     yardstick: bool = True
     subject: str = OURS
+    lengths: tuple[int, ...] = ()
+    window: int | None = None
+    rounds: int | None = None
     runs: tuple[Run, ...] = ()
     targets: tuple[Target, ...] = ()
 
@@ -97,7 +114,12 @@ class Case:
 
     def shape(self) -> str:
         """``"B=8 L=512 E=512 H=8"`` (and Hkv, Lq where they differ)."""
+        if self.lengths:
+            n = self.lengths
+            words = f"{len(n)} sequences of {min(n)}-{max(n)} tokens (sum {sum(n)}) E={self.embed_dim} H={self.heads}"
+            return words + (f" Hkv={self.kv_heads}" if self.kv_heads else "")
         words = f"B={self.batch} L={self.length} E={self.embed_dim} H={self.heads}"
+        words += f" window={self.window}" if self.window else ""
         words += f" Hkv={self.kv_heads}" if self.kv_heads else ""
         return words + (f" Lq={self.lq}" if self.lq != self.length else "")
 
@@ -116,10 +138,12 @@ class Suite(NamedTuple):
     sweeps: list[Sweep]
 
     def only(self, text: str | None) -> Suite:
-        """The cases whose name contains ``text`` (and the sweeps all of whose cases remain)."""
+        """The cases whose name contains ``text``, or one of its comma-separated parts (and the sweeps
+        all of whose cases remain)."""
         if not text:
             return self
-        cases = [c for c in self.cases if text in c.name]
+        parts = [p for p in text.split(",") if p]
+        cases = [c for c in self.cases if any(p in c.name for p in parts)]
         names = {c.name for c in cases}
         return Suite(cases, [s for s in self.sweeps if set(s.cases) <= names])
 
@@ -129,6 +153,11 @@ def flops(case: Case) -> float:
     b, lq, lk, e, h = case.batch, case.lq, case.lk, case.embed_dim, case.heads
     hkv, d = case.kv_heads or h, e // h
     pairs = lq * lk - (lq * (lq - 1) // 2 if case.causal else 0)
+    if case.lengths:
+        b, pairs = 1, sum(n * n - (n * (n - 1) // 2 if case.causal else 0) for n in case.lengths)
+    elif case.window:  # causal window of W keys: query i sees min(i + 1, W) of them (Lq = Lk)
+        w = min(case.window, lq)
+        pairs = w * (w + 1) // 2 + (lq - w) * w
     attn = 4 * b * h * d * pairs
     proj = 0 if case.level == "attention" else 2 * b * lq * e * (h * d + 2 * hkv * d) + 2 * b * lq * e * e
     if case.mode == "train":
@@ -156,6 +185,37 @@ def _decode_cases(quick: bool) -> tuple[list[Case], Sweep]:
     sweep = Sweep("decode step / bare work, flat in length", tuple(c.name for c in cases), OURS,
                   Target("growth", "bare", "<=", 1.25))  # fmt: skip
     return cases, sweep
+
+
+def ragged_lengths(
+    count: int = 32, shortest: int = 32, longest: int = 1024, seed: int = 0
+) -> tuple[int, ...]:
+    """``count`` long-tailed sequence lengths in [shortest, longest] (fixed ``seed``): most are short, a
+    few long, the longest is ``longest`` (log-uniform raised to a power, as real corpora look)."""
+    gen = random.Random(seed)
+    span = math.log(longest / shortest)
+    lengths = [round(shortest * math.exp(span * gen.random() ** 2)) for _ in range(count - 1)]
+    return (*lengths, longest)
+
+
+def _modern_cases(quick: bool) -> list[Case]:
+    """Attention whose cost follows the real tokens: a ragged batch packed with segment ids (against its
+    sequences one by one and the padded batch), and a sliding window given as a mask function."""
+    lengths = (3, 7, 2, 5) if quick else ragged_lengths()
+    e = 32 if quick else 512
+    runs = (row("packed"), row("sequences"), row("padded"))
+    ragged = [
+        Case(f"ragged batch {mode}", 1, sum(lengths), e, 8, causal=True, mode=mode, level="attention",
+             lengths=lengths, subject="packed", runs=runs,
+             targets=(Target("time", "sequences", "<=", bound), Target("speedup", "padded", ">=", 2.0)))
+        for mode, bound in (("forward", 1.15), ("train", 1.25))
+    ]  # fmt: skip
+    n, w = (64, 8) if quick else (16384, 512)
+    window = Case(f"sliding window {w} as a mask function", 1, n, e, 8, causal=True, level="attention",
+                  window=w, rounds=None if quick else 7, runs=(row(OURS), row(OURS, window=None, causal=False)),
+                  targets=(Target("time", f"{OURS}@window=None", "<=", 0.2),
+                           Target("memory", f"{OURS}@window=None", "<=", 1.2)))  # fmt: skip
+    return [*ragged, window]
 
 
 def cpu_suite(quick: bool = False) -> Suite:
@@ -192,7 +252,7 @@ def cpu_suite(quick: bool = False) -> Suite:
                 mode="train", level="attention", own_process=True, subject="ring",
                 runs=(row("ring"), row(OURS)),
                 targets=(Target("time", OURS, "<=", 1.3), Target("memory", OURS, "<=", 1.5)))  # fmt: skip
-    return Suite([*cases, *decode, ring], [sweep])
+    return Suite([*cases, *decode, ring, *_modern_cases(quick)], [sweep])
 
 
 def cuda_suite(quick: bool = False) -> Suite:

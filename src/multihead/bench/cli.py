@@ -34,7 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"seconds per case for more rounds (default {FULL.budget_s:g})",
     )
-    parser.add_argument("--only", default=None, help="run only cases whose name contains this text")
+    parser.add_argument(
+        "--only",
+        default=None,
+        help="run only cases whose name contains this text (or one of several, comma-separated)",
+    )
     parser.add_argument("--no-progress", action="store_true")
 
 

@@ -16,7 +16,10 @@ step puts its cache back to the case's length there). Contenders (:data:`CONTEND
 * ``bare``: the bare work of a decoding step: QKV projection of the new token, its keys/values written
   into one preallocated buffer, fused attention over the buffer, output projection;
 * ``ring``: :func:`multihead.distributed.ring_attention` (needs a process group: the case runs in its
-  own process through :func:`multihead.distributed.launch`).
+  own process through :func:`multihead.distributed.launch`);
+* a ragged batch (``case.lengths``), attention on projected heads, three ways: ``packed`` (one row,
+  :func:`multihead.attention` with ``segment_ids``), ``sequences`` (:func:`multihead.attention` on each
+  sequence in turn) and ``padded`` (the batch padded to its longest sequence, ``valid_lens``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -35,7 +39,16 @@ from ..nn.attention import MultiHeadAttention, merge_heads, split_heads
 from ..nn.cache import KVCache
 from .cases import Case
 
-__all__ = ["CONTENDERS", "Contender", "NaiveMHA", "Step", "build", "matmul_step", "naive_attention"]
+__all__ = [
+    "CONTENDERS",
+    "Contender",
+    "NaiveMHA",
+    "Step",
+    "build",
+    "matmul_step",
+    "naive_attention",
+    "window_function",
+]
 
 
 class Step(NamedTuple):
@@ -214,9 +227,56 @@ def _keras_module(case: Case, device: torch.device) -> Step:
 # ----------------------------------------------------------------------------------------------
 
 
+def window_function(w: int) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
+    """A sliding window as a mask function: query i sees keys j > i - w (causal=True adds j <= i)."""
+    return lambda b, h, q_idx, kv_idx: q_idx - kv_idx < w
+
+
 def _ours_attention(case: Case, device: torch.device) -> Step:
     q, k, v = _qkv(case, device)
+    if case.window:  # a mask function: the call's cost follows the window, not L*L
+        fn = window_function(case.window)
+        return _step(lambda: attention(q, k, v, mask=fn, causal=case.causal), case, [q, k, v])  # type: ignore[arg-type]
     return _step(lambda: attention(q, k, v, causal=case.causal), case, [q, k, v])
+
+
+def _ragged_inputs(case: Case, device: torch.device) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """q, k, v (1, H, n, D) of each sequence of the ragged batch (leaves requiring grad in train mode)."""
+    return [_qkv(replace(case, batch=1, length=n, lengths=()), device) for n in case.lengths]
+
+
+def _packed_attention(case: Case, device: torch.device) -> Step:
+    """The sequences packed in one row (1, H, sum n, D), told apart by segment ids."""
+    seqs = _ragged_inputs(case, device)
+    grad = case.mode == "train"
+    q, k, v = (torch.cat([s[i].detach() for s in seqs], dim=2).requires_grad_(grad) for i in range(3))
+    n = torch.tensor(case.lengths, device=device)
+    ids = torch.repeat_interleave(torch.arange(len(case.lengths), device=device), n)[None]  # (1, sum n)
+    return _step(lambda: attention(q, k, v, segment_ids=ids, causal=case.causal), case, [q, k, v])  # type: ignore[call-arg]
+
+
+def _sequences_attention(case: Case, device: torch.device) -> Step:
+    """Each sequence on its own, one call after another (the cost packing should match)."""
+    seqs = _ragged_inputs(case, device)
+
+    def each() -> object:
+        outs = [attention(q, k, v, causal=case.causal) for q, k, v in seqs]
+        return torch.stack([o.sum() for o in outs]).sum() if case.mode == "train" else outs  # type: ignore[union-attr]
+
+    return _step(each, case, [t for s in seqs for t in s])
+
+
+def _padded_attention(case: Case, device: torch.device) -> Step:
+    """The batch padded to its longest sequence, (N, H, max n, D), the padding hidden by valid_lens."""
+    longest, lens = max(case.lengths), torch.tensor(case.lengths, device=device)
+    seqs, grad = _ragged_inputs(case, device), case.mode == "train"
+    q, k, v = (
+        torch.stack(
+            [F.pad(s[i].detach()[0], (0, 0, 0, longest - s[i].shape[2])) for s in seqs]
+        ).requires_grad_(grad)
+        for i in range(3)
+    )  # (N, H, max n, D) each, zeros past every sequence's end
+    return _step(lambda: attention(q, k, v, valid_lens=lens, causal=case.causal), case, [q, k, v])
 
 
 def _sdpa_attention(case: Case, device: torch.device) -> Step:
@@ -318,6 +378,9 @@ CONTENDERS: dict[tuple[str, str], Contender] = {
     ("sdpa", "attention"): Contender(_sdpa_attention, _never),
     ("naive", "attention"): Contender(_naive_attention, _always),
     ("ring", "attention"): Contender(_ring_attention, _never),
+    ("packed", "attention"): Contender(_packed_attention, _never),
+    ("sequences", "attention"): Contender(_sequences_attention, _never),
+    ("padded", "attention"): Contender(_padded_attention, _never),
     ("multihead", "decode"): Contender(_ours_decode, _never),
     ("bare", "decode"): Contender(_bare_decode, _never),
 }

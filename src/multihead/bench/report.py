@@ -198,7 +198,8 @@ def _spread(d: dict | None) -> Spread | None:
 
 def _case(d: dict) -> Case:
     runs = tuple(Run(r["label"], r["contender"], tuple(tuple(c) for c in r["changes"])) for r in d["runs"])
-    return Case(**{**d, "runs": runs, "targets": tuple(Target(**t) for t in d["targets"])})
+    targets = tuple(Target(**t) for t in d["targets"])
+    return Case(**{**d, "runs": runs, "targets": targets, "lengths": tuple(d.get("lengths", ()))})
 
 
 def _check(d: dict) -> Check:

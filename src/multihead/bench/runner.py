@@ -106,6 +106,11 @@ def measure_case(
             results[label] = replace(res, peak_memory_mib=mem)
             progress.update(0, step=label)
     else:
+        if case.rounds:
+            settings = settings._replace(
+                min_rounds=min(settings.min_rounds, case.rounds),
+                max_rounds=min(settings.max_rounds, case.rounds),
+            )
         yardstick = {"matmul": matmul_step(device, settings.matmul_n)} if case.yardstick else {}
         times, errors = interleaved(
             {**steps, **yardstick}, device, settings, lambda text: progress.update(0, step=text)

@@ -12,23 +12,83 @@ cannot serve the call raises a ``ValueError`` listing its reasons -- a backend n
 
 from __future__ import annotations
 
+from . import blocked as _blocked
 from . import flex as _flex
 from . import math as _math
 from . import sdpa as _sdpa
 from .base import AttentionCall, Backend
 
-__all__ = ["AUTO_ORDER", "AttentionCall", "Backend", "available", "explain", "get", "register", "select"]
+__all__ = [
+    "AUTO_ORDER",
+    "AttentionCall",
+    "Backend",
+    "available",
+    "explain",
+    "get",
+    "register",
+    "select",
+    "unregister",
+]
 
 
 _REGISTRY: dict[str, Backend] = {}
 AUTO_ORDER: list[str] = []
 
 
-def register(backend: Backend, *, auto: bool = True) -> Backend:
-    """Add ``backend`` to the registry (and to the ``auto`` order, by default at the end)."""
-    _REGISTRY[backend.name] = backend
-    if auto and backend.name not in AUTO_ORDER:
-        AUTO_ORDER.append(backend.name)
+def register(
+    backend: Backend, *, auto: bool = True, before: str | None = None, after: str | None = None
+) -> Backend:
+    """Add ``backend`` to the registry and, with ``auto``, to :data:`AUTO_ORDER`.
+
+    Where in the auto order: at the end by default, or just ahead of the backend named ``before`` (for
+    instance ``before="math"``: tried after the fast kernels, before the dense fallback), or just after
+    the one named ``after``. Registering a name again replaces the backend; its place in the order stays
+    unless ``before``/``after`` move it (``auto=False`` takes it out of the order).
+    """
+    name = getattr(backend, "name", None)
+    if not isinstance(name, str) or not name or name == "auto":
+        raise ValueError(f"a backend needs a `name` str other than 'auto', got {name!r}")
+    if not (callable(getattr(backend, "why_not", None)) and callable(backend)):
+        raise TypeError(
+            f"backend {name!r} must have a why_not(call) method and be callable as backend(call) "
+            f"(see multihead.core.backends.Backend)"
+        )
+    if before is not None and after is not None:
+        raise ValueError(f"give `before` or `after`, not both (got before={before!r}, after={after!r})")
+    anchor = before if before is not None else after
+    if anchor is not None:
+        if not auto:
+            raise ValueError(
+                f"before/after place a backend in the auto order: they need auto=True ({name!r})"
+            )
+        if anchor == name or anchor not in AUTO_ORDER:
+            others = [n for n in AUTO_ORDER if n != name]
+            raise ValueError(
+                f"{'before' if before is not None else 'after'}={anchor!r} must name another backend of the "
+                f"auto order {others}"
+            )
+    _REGISTRY[name] = backend
+    if not auto:
+        if name in AUTO_ORDER:
+            AUTO_ORDER.remove(name)
+        return backend
+    if anchor is None:
+        if name not in AUTO_ORDER:
+            AUTO_ORDER.append(name)
+        return backend
+    if name in AUTO_ORDER:
+        AUTO_ORDER.remove(name)
+    at = AUTO_ORDER.index(anchor)
+    AUTO_ORDER.insert(at if before is not None else at + 1, name)
+    return backend
+
+
+def unregister(name: str) -> Backend:
+    """Remove the backend called ``name`` from the registry and the auto order; returns it."""
+    backend = get(name)
+    del _REGISTRY[name]
+    if name in AUTO_ORDER:
+        AUTO_ORDER.remove(name)
     return backend
 
 
@@ -64,8 +124,10 @@ def select(call: AttentionCall, name: str = "auto") -> Backend:
     return backend
 
 
-# Registration order is the auto order: flex serves only CUDA calls with a mask or bias (block
-# skipping), sdpa every call without weights, math everything else (weights included).
+# The auto order: flex serves CUDA calls with a mask or bias (block skipping), sdpa every call without
+# weights that its fused kernel can run, blocked the CPU calls with mask/bias functions, segment ids,
+# softcap or sinks (cost follows the allowed pairs), math everything else (weights included).
 register(_flex.FlexBackend())
 register(_sdpa.SDPABackend())
 register(_math.MathBackend())
+register(_blocked.BlockedBackend(), before="math")

@@ -1,0 +1,498 @@
+"""The ``blocked`` backend: attention whose cost follows the allowed (query, key) pairs, on the CPU.
+
+It serves CPU calls whose masking is given as functions (``mask=``/``bias=`` functions, segment ids)
+and calls with a softcap or attention sinks, and it never forms a (Lq, Lk) tensor. Two paths:
+
+* **varlen** -- packed sequences (segment ids that form one contiguous run per id in every batch row):
+  each run is its own small dense attention (``scaled_dot_product_attention`` on the slices, its native
+  causal kernel when the run's causal diagonal starts at its corner), so a packed batch costs the sum of
+  its sequences. Inputs are cut with ``split`` and outputs joined with ``cat``, whose backwards are one
+  ``cat`` and views: training on packed batches costs what the sequences cost one by one.
+* **tiled** -- everything else: blocks of ``block_q`` queries against spans of at most ``span_k`` keys.
+  Per block and span the mask pieces are evaluated on that tile's index grid only (the functions once
+  for every batch row and head their result does not depend on: the result's broadcast shape), the
+  keys no query of the block may see are cut off the span's ends (a span with none is skipped, and
+  causal spans beyond the diagonal are never evaluated), and an online softmax (running max and
+  denominator, flash-attention style) joins the spans. Sinks start the denominator; rows that see no
+  key end with output 0. Autograd runs through the tile ops (it keeps tile-sized pieces, so training
+  memory follows the visible pairs).
+
+Dimensions: B batch, H query heads, Hkv kv heads, G = H // Hkv, Lq/Lk lengths, Dk/Dv head dims,
+n queries of one block, w keys of one span.
+
+Equals, for each query i of batch row b and head h (the dense formula, never formed)::
+
+    s_ij = softcap * tanh(scale * q_i . k_j / softcap)  (or scale * q_i . k_j)  + bias[b, h, i, j]
+    allowed_ij = mask[b, h, i, j] & mask_fn(b, h, i, j) & q_ids[b, i] == kv_ids[b, j] >= 0
+                 & (j <= i + Lk - Lq if causal)
+    out_i = sum_j exp(s_ij) v_j / (exp(sinks[h]) + sum_j exp(s_ij))   over allowed j; 0 if none
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..checks import is_int
+from ..masks import Normalized
+from ._common import group_mask, zero_dead_rows
+from .base import AttentionCall
+
+__all__ = ["BlockedBackend", "packed_runs"]
+
+_DTYPES = (torch.float32, torch.float64)
+PROBE = 16384  # (query, key) pairs of one mask probe: half PyTorch's grain size, so it runs serially
+Run = tuple[int, int, int, int]  # (q start, q end, k start, k end) of one packed sequence
+
+
+class BlockedBackend:
+    """``block_q`` queries per block, at most ``span_k`` keys per computed span (its scores are
+    (B, H, block_q, span_k)); ``dense_min_pairs``: the Lq*Lk from which a call whose masks are all
+    dense tensors but that has a softcap or sinks comes here rather than to ``math``."""
+
+    name = "blocked"
+
+    def __init__(self, *, block_q: int = 128, span_k: int = 2048, dense_min_pairs: int = 1 << 20) -> None:
+        for arg, value in (("block_q", block_q), ("span_k", span_k), ("dense_min_pairs", dense_min_pairs)):
+            if not is_int(value, 1):
+                raise ValueError(f"{arg} must be a positive int, got {value!r}")
+        self.block_q, self.span_k, self.dense_min_pairs = block_q, span_k, dense_min_pairs
+
+    def why_not(self, call: AttentionCall) -> Iterator[str]:
+        q, m = call.q, call.masks
+        if q.device.type != "cpu":
+            yield f"blocked runs on the CPU only; q is on {q.device.type} (flex serves CUDA calls with functions)"
+        if call.return_weights:
+            yield "blocked never forms the (Lq, Lk) weights: return_weights=True is served by math (dense)"
+        if call.dropout > 0:
+            yield "blocked has no attention dropout (use dropout=0.0, or backend='math' with dense masks)"
+        if q.dtype not in _DTYPES:
+            yield f"blocked supports dtypes {_DTYPES}, got {q.dtype} (math serves it)"
+        extras = call.softcap is not None or call.sinks is not None
+        if not m.has_functions and not extras:
+            yield "no mask/bias function, segment ids, softcap or sinks: sdpa's fused kernel serves this faster"
+        elif not m.has_functions and q.shape[2] * call.k.shape[2] < self.dense_min_pairs:
+            yield (
+                f"dense masks with softcap/sinks at Lq*Lk = {q.shape[2] * call.k.shape[2]} < "
+                f"{self.dense_min_pairs}: math's single pass is faster at this size"
+            )
+
+    def __call__(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
+        m = call.masks
+        runs = packed_runs(*m.segments) if m.segments is not None else None
+        out = self._varlen(call, runs) if runs is not None else self._tiled(call, _Frame.of(call))
+        return zero_dead_rows(out, m.row_ok), None
+
+    # ------------------------------------------------------------------------------------------
+    # tiled path
+    # ------------------------------------------------------------------------------------------
+
+    def _tiled(self, call: AttentionCall, frame: _Frame, q: Tensor | None = None, k: Tensor | None = None,
+               v: Tensor | None = None) -> Tensor:  # fmt: skip
+        """Attention of q (Bs, H, Lq', Dk) on k/v (Bs, Hkv, Lk', D) -> (Bs, H, Lq', Dv), tile by tile."""
+        q = call.q if q is None else q
+        k = call.k if k is None else k
+        v = call.v if v is None else v
+        b, h, lq, dk = q.shape
+        hkv, lk, dv = k.shape[1], k.shape[2], v.shape[3]
+        g = h // hkv
+        softcap, sinks = call.softcap, call.sinks
+        factor = call.scale / softcap if softcap is not None else call.scale
+        grad = torch.is_grad_enabled()  # out of place (autograd) or in place (inference)
+        out = None if grad else q.new_empty(b, h, lq, dv)  # (Bs, H, Lq', Dv)
+        blocks: list[Tensor] = []
+        for i0 in range(0, lq, self.block_q):
+            i1 = min(lq, i0 + self.block_q)
+            n = i1 - i0
+            spans = list(frame.spans(i0, i1, lk, self.span_k))  # (j0, j1, keep (Bs|1, H|1, n, w) | None)
+            if softcap is None and (not grad or (len(spans) == 1 and sinks is None)):
+                qg = q[:, :, i0:i1].reshape(b, hkv, g * n, dk)  # (Bs, Hkv, G*n, Dk), heads stacked
+                block = _fused(qg, k, v, spans, frame, i0, i1, call.scale, sinks, h, grad)
+            else:
+                qt = (q[:, :, i0:i1] * factor).reshape(b, hkv, g * n, dk)  # (Bs, Hkv, G*n, Dk)
+                state = _State.start(b, h, n, dv, q, sinks)
+                for j0, j1, keep in spans:
+                    s = torch.matmul(qt, k[:, :, j0:j1].transpose(-2, -1)).view(
+                        b, h, n, j1 - j0
+                    )  # (Bs, H, n, w)
+                    if softcap is not None:
+                        s = s.tanh_().mul_(softcap) if not grad else torch.tanh(s) * softcap
+                    bias = frame.bias(i0, i1, j0, j1, q.dtype)  # (Bs|1, H|1, n|1, w|1) or None
+                    if bias is not None:
+                        s = s.add_(bias) if not grad else s + bias
+                    if keep is not None:
+                        s = (
+                            s.masked_fill_(~keep, float("-inf"))
+                            if not grad
+                            else s.masked_fill(~keep, float("-inf"))
+                        )
+                    state.add(s, v[:, :, j0:j1], g, grad)
+                block = state.finish()  # (Bs, H, n, Dv)
+            if out is not None:
+                out[:, :, i0:i1] = block
+            else:
+                blocks.append(block)
+        if out is not None:
+            return out
+        return torch.cat(blocks, dim=2) if blocks else q.new_zeros(b, h, lq, dv)  # (Bs, H, Lq', Dv)
+
+    # ------------------------------------------------------------------------------------------
+    # varlen path
+    # ------------------------------------------------------------------------------------------
+
+    def _varlen(self, call: AttentionCall, runs: list[list[Run]]) -> Tensor:
+        """Each packed sequence as its own attention; queries outside every run (padding, or an id with
+        no keys) get output 0."""
+        q, k, v = call.q, call.k, call.v
+        h, lq, lk, dv = q.shape[1], q.shape[2], k.shape[2], v.shape[3]
+        rows: list[Tensor] = []
+        for bi, row in enumerate(runs):
+            qcut = _cuts([(r[0], r[1]) for r in row], lq)
+            kcut = _cuts([(r[2], r[3]) for r in row], lk)
+            kp = dict(zip(kcut[0], k[bi].split(kcut[1], dim=1), strict=True))  # start -> (Hkv, len, Dk)
+            vp = dict(zip(kcut[0], v[bi].split(kcut[1], dim=1), strict=True))  # start -> (Hkv, len, Dv)
+            at = {r[0]: r for r in row}
+            pieces = []
+            for start, piece in zip(qcut[0], q[bi].split(qcut[1], dim=1), strict=True):  # (H, len, Dk)
+                run = at.get(start)
+                if run is None:  # padding, or an id with no keys: output 0
+                    o = q.new_zeros(h, piece.shape[1], dv)
+                else:
+                    ki, vi = kp[run[2]][None], vp[run[2]][None]  # (1, Hkv, len, D)
+                    o = self._one_run(call, bi, run, piece[None], ki, vi)[0]  # (H, len, Dv)
+                pieces.append(o)
+            rows.append(torch.cat(pieces, dim=1) if pieces else q.new_zeros(h, lq, dv))  # (H, Lq, Dv)
+        return rows[0][None] if len(rows) == 1 else torch.stack(rows)  # (B, H, Lq, Dv)
+
+    def _one_run(self, call: AttentionCall, bi: int, run: Run, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q (1, H, n, Dk) against k/v (1, Hkv, w, D) of one packed sequence -> (1, H, n, Dv)."""
+        qs, qe, ks, ke = run
+        frame = replace(_Frame.of(call), b0=bi, b1=bi + 1, q0=qs, k0=ks, segments=None)
+        if call.softcap is not None or call.sinks is not None:
+            return self._tiled(call, frame, q, k, v)
+        n, w = qe - qs, ke - ks
+        is_causal = frame.causal and frame.diagonal == 0
+        if is_causal:
+            frame = replace(frame, causal=False)
+        keep = frame.keep(0, n, 0, w)  # (1|1, H|1, n, w) or None
+        bias = frame.bias(0, n, 0, w, q.dtype)
+        row_ok = None
+        if keep is not None or bias is not None:
+            allowed = (
+                keep
+                if bias is None
+                else (~torch.isneginf(bias) if keep is None else keep & ~torch.isneginf(bias))
+            )
+            assert allowed is not None
+            row_ok = allowed.any(dim=-1, keepdim=True)  # (1|1, H|1, n|1, 1)
+            if bias is not None:
+                bias = bias.masked_fill(~row_ok, 0.0)
+                if keep is not None:
+                    bias = bias.masked_fill(~(keep | ~row_ok), float("-inf"))
+            attn_mask = bias if bias is not None else keep | ~row_ok  # rows that see nothing: re-opened
+        else:
+            attn_mask = None
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            is_causal=is_causal,
+            scale=call.scale,
+            enable_gqa=k.shape[1] != q.shape[1],
+        )  # fmt: skip  (1, H, n, Dv)
+        return zero_dead_rows(out, row_ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# Packed runs
+# ----------------------------------------------------------------------------------------------
+
+
+def _runs(ids: Tensor) -> list[dict[int, tuple[int, int]]] | None:
+    """Per row of ids (B, L): {id: (start, end)} of the runs of equal non-negative ids, or ``None`` if
+    some id has two runs in a row (not the packed layout)."""
+    b, n = ids.shape
+    rows: list[dict[int, tuple[int, int]]] = [{} for _ in range(b)]
+    if n == 0:
+        return rows
+    starts = torch.ones(b, n, dtype=torch.bool, device=ids.device)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    r, s = starts.nonzero(as_tuple=True)
+    found = list(zip(r.tolist(), s.tolist(), ids[r, s].tolist(), strict=True))  # one host sync
+    for idx, (row, start, value) in enumerate(found):
+        end = found[idx + 1][1] if idx + 1 < len(found) and found[idx + 1][0] == row else n
+        if value < 0:
+            continue
+        if value in rows[row]:
+            return None
+        rows[row][value] = (start, end)
+    return rows
+
+
+def packed_runs(q_ids: Tensor, kv_ids: Tensor) -> list[list[Run]] | None:
+    """For segment ids q_ids (B, Lq), kv_ids (B, Lk): per batch row, the (q start, q end, k start, k end)
+    of every id present on both sides, in query order; ``None`` unless every id forms one contiguous run
+    on each side (the packed layout). Negative ids (padding) form no run."""
+    qr, kr = _runs(q_ids), _runs(kv_ids)
+    if qr is None or kr is None:
+        return None
+    return [
+        sorted((qs, qe, *krow[i]) for i, (qs, qe) in qrow.items() if i in krow)
+        for qrow, krow in zip(qr, kr, strict=True)
+    ]
+
+
+def _cuts(spans: list[tuple[int, int]], length: int) -> tuple[list[int], list[int]]:
+    """(starts, lengths) of the pieces that cut [0, length) at every edge of ``spans``, gaps included:
+    one ``split`` by these lengths, whose backward is one ``cat``."""
+    edges = sorted({0, length, *(e for span in spans for e in span)})
+    return edges[:-1], [e - s for s, e in zip(edges, edges[1:], strict=False)]
+
+
+# ----------------------------------------------------------------------------------------------
+# The masking of a (sub-)problem, evaluated tile by tile in the call's global indices
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Frame:
+    """Masks of the call restricted to batch rows b0:b1, local query i = global q0 + i, key j = k0 + j."""
+
+    m: Normalized
+    segments: tuple[Tensor, Tensor] | None
+    causal: bool
+    offset: int  # Lk - Lq of the whole call: query i sees keys j <= i + offset when causal
+    heads: int
+    device: torch.device
+    b0: int
+    b1: int
+    q0: int = 0
+    k0: int = 0
+
+    @classmethod
+    def of(cls, call: AttentionCall) -> _Frame:
+        m, b = call.masks, call.q.shape[0]
+        lq, lk = call.q.shape[2], call.k.shape[2]
+        return cls(m, m.segments, m.causal, lk - lq, call.q.shape[1], call.q.device, 0, b)
+
+    @property
+    def diagonal(self) -> int:
+        """In local indices, causal lets query i see keys j <= i + diagonal."""
+        return self.q0 + self.offset - self.k0
+
+    def spans(self, i0: int, i1: int, lk: int, span: int) -> Iterator[tuple[int, int, Tensor | None]]:
+        """For queries i0:i1, the key spans (j0, j1, keep (Bs|1, H|1, n, w) or None = all allowed) to
+        compute: at most ``span`` keys each, with no key that no query of the block may see at either end.
+
+        The mask is evaluated on probes of at most :data:`PROBE` (query, key) pairs: small enough to stay
+        in cache and under PyTorch's grain size (no thread pool for them), so a probe that finds nothing
+        allowed costs a few serial passes over 16K booleans. Probes past the causal diagonal never run.
+        """
+        n = i1 - i0
+        hi = min(lk, i1 + self.diagonal) if self.causal else lk  # keys past hi: beyond the diagonal
+        width = max(1, PROBE // n)
+        start, end, pieces = 0, 0, []  # the span being gathered: keys start:end, its keep pieces
+        for c0 in range(0, max(hi, 0), width):
+            c1 = min(hi, c0 + width)
+            keep = self.keep(i0, i1, c0, c1)
+            a, z = 0, c1 - c0
+            if keep is not None:
+                cols = keep.reshape(-1, keep.shape[-1]).any(0)  # (w|1,) some query of the block sees key j
+                seen = cols.nonzero()
+                if seen.numel() == 0:
+                    continue  # nothing allowed in this probe: never computed
+                if cols.numel() > 1:
+                    a, z = int(seen[0]), int(seen[-1]) + 1
+                    keep = keep[..., a:z]
+                if bool(keep.all()):
+                    keep = None
+            if pieces and (c0 + a != end or c0 + z - start > span):
+                yield start, end, _joined(pieces)
+                pieces = []
+            if not pieces:
+                start = c0 + a
+            end = c0 + z
+            pieces.append((z - a, keep))
+        if pieces:
+            yield start, end, _joined(pieces)
+
+    def _index(self, i0: int, i1: int, j0: int, j1: int, device: torch.device) -> tuple[Tensor, ...]:
+        """Global (b, h, q_idx, kv_idx) int64 index tensors of a tile, broadcastable to (Bs, H, n, w)."""
+        bi = torch.arange(self.b0, self.b1, device=device).view(-1, 1, 1, 1)
+        hi = torch.arange(self.heads, device=device).view(1, -1, 1, 1)
+        qi = torch.arange(self.q0 + i0, self.q0 + i1, device=device).view(1, 1, -1, 1)
+        ki = torch.arange(self.k0 + j0, self.k0 + j1, device=device).view(1, 1, 1, -1)
+        return bi, hi, qi, ki
+
+    def _cut(self, t: Tensor, i0: int, i1: int, j0: int, j1: int) -> Tensor:
+        """A dense (B|1, H|1, Lq|1, Lk|1) mask or bias on the tile, broadcast dims kept at size 1."""
+        if t.shape[0] > 1:
+            t = t[self.b0 : self.b1]
+        if t.shape[2] > 1:
+            t = t[:, :, self.q0 + i0 : self.q0 + i1]
+        if t.shape[3] > 1:
+            t = t[:, :, :, self.k0 + j0 : self.k0 + j1]
+        return t
+
+    def keep(self, i0: int, i1: int, j0: int, j1: int) -> Tensor | None:
+        """Bool (Bs|1, H|1, n|1, w|1), True = may attend, of local queries i0:i1 and keys j0:j1 (every
+        piece ANDed); ``None`` when nothing restricts the tile."""
+        m, device = self.m, self.device
+        parts: list[Tensor] = []
+        if m.mask is not None:
+            parts.append(self._cut(m.mask, i0, i1, j0, j1))
+        if self.causal and j1 - 1 > i0 + self.diagonal:  # the tile crosses the diagonal
+            rows = torch.arange(i0, i1, device=device).view(-1, 1) + self.diagonal  # (n, 1)
+            parts.append(
+                (torch.arange(j0, j1, device=device).view(1, -1) <= rows).view(1, 1, i1 - i0, j1 - j0)
+            )
+        if self.segments is not None:
+            qid, kid = self.segments
+            qid = qid[self.b0 : self.b1, self.q0 + i0 : self.q0 + i1, None]  # (Bs, n, 1)
+            kid = kid[self.b0 : self.b1, None, self.k0 + j0 : self.k0 + j1]  # (Bs, 1, w)
+            parts.append(((qid == kid) & (kid >= 0)).unsqueeze(1))  # (Bs, 1, n, w)
+        if m.mask_fn is not None:
+            got = torch.as_tensor(m.mask_fn(*self._index(i0, i1, j0, j1, device)))
+            if got.dtype != torch.bool:
+                raise TypeError(
+                    f"a mask function must return a bool tensor (True = may attend), got dtype {got.dtype}; "
+                    f"return a comparison such as `q_idx >= kv_idx`"
+                )
+            parts.append(got.reshape((1,) * (4 - got.dim()) + tuple(got.shape)))
+        if not parts:
+            return None
+        keep = parts[0]
+        for p in parts[1:]:
+            keep = keep & p
+        return keep
+
+    def bias(self, i0: int, i1: int, j0: int, j1: int, dtype: torch.dtype) -> Tensor | None:
+        """Float (Bs|1, H|1, n|1, w|1) added to the tile's scores, or ``None``."""
+        m = self.m
+        out = self._cut(m.bias, i0, i1, j0, j1) if m.bias is not None else None
+        if m.bias_fn is not None:
+            got = torch.as_tensor(m.bias_fn(*self._index(i0, i1, j0, j1, self.device))).to(dtype)
+            got = got.reshape((1,) * (4 - got.dim()) + tuple(got.shape))
+            out = got if out is None else out + got
+        return out
+
+
+def _joined(pieces: list[tuple[int, Tensor | None]]) -> Tensor | None:
+    """The keep mask of a span from its probes' (width, keep or None = all allowed) -> (Bs|1, H|1, n, w)."""
+    masks = [m for _, m in pieces if m is not None]
+    if not masks:
+        return None
+    if len(pieces) == 1:
+        return masks[0]
+    lead = torch.broadcast_shapes(*(m.shape[:-1] for m in masks))  # (Bs|1, H|1, n)
+    parts = [torch.ones((), dtype=torch.bool, device=masks[0].device).expand(*lead, w) if m is None
+             else m.expand(*lead, w) for w, m in pieces]  # fmt: skip
+    return torch.cat(parts, dim=-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Spans through the fused CPU kernel, joined by their log-sum-exp
+# ----------------------------------------------------------------------------------------------
+
+
+def _fused(qg: Tensor, k: Tensor, v: Tensor, spans: list[tuple[int, int, Tensor | None]], frame: _Frame,
+           i0: int, i1: int, scale: float, sinks: Tensor | None, h: int, grad: bool) -> Tensor:  # fmt: skip
+    """One block of grouped queries qg (Bs, Hkv, G*n, Dk) over its spans, each through PyTorch's fused
+    CPU attention kernel with the span's mask and bias as one additive mask -> (Bs, H, n, Dv).
+
+    Without autograd the spans (and the sinks) are joined by their log-sum-exp, which the kernel returns;
+    with autograd (whose log-sum-exp has no gradient) there is one span and no sink (the caller checks).
+    """
+    b, hkv, gn, _ = qg.shape
+    n, dv = i1 - i0, v.shape[3]
+    acc: Tensor | None = None
+    lse: Tensor | None = None
+    for j0, j1, keep in spans:
+        bias = frame.bias(i0, i1, j0, j1, qg.dtype)  # (Bs|1, H|1, n|1, w|1) or None
+        allowed = keep
+        if bias is not None and bool(torch.isneginf(bias).any()):
+            allowed = ~torch.isneginf(bias) if keep is None else keep & ~torch.isneginf(bias)
+        row_ok = None if allowed is None else allowed.any(dim=-1, keepdim=True)  # (Bs|1, H|1, n, 1)
+        if row_ok is not None and bool(row_ok.all()):
+            row_ok = None  # the common case: every row sees a key of this span
+        mask = bias
+        if keep is not None:  # one pass: the bias (or 0) where allowed, -inf elsewhere
+            mask = torch.where(keep, qg.new_zeros(()) if bias is None else bias, float("-inf"))
+        if mask is not None and row_ok is not None:
+            mask = mask.masked_fill(~row_ok, 0.0)  # rows that see nothing here: re-opened, zeroed below
+        if mask is not None:
+            mask = group_mask(mask.expand(*mask.shape[:3], j1 - j0), h, hkv, n)  # (Bs|1, Hkv|1, G*n|1, w)
+        kt, vt = k[:, :, j0:j1], v[:, :, j0:j1]  # (Bs, Hkv, w, D)
+        if grad:
+            o = F.scaled_dot_product_attention(qg, kt, vt, attn_mask=mask, scale=scale)  # (Bs, Hkv, G*n, Dv)
+            return zero_dead_rows(o.reshape(b, h, n, dv), row_ok)  # (Bs, H, n, Dv)
+        o, part = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qg, kt, vt, 0.0, False, attn_mask=mask, scale=scale
+        )  # (Bs, Hkv, G*n, Dv), (Bs, Hkv, G*n)
+        o, part = o.reshape(b, h, n, dv), part.reshape(b, h, n, 1)
+        if row_ok is not None:
+            o, part = o * row_ok, part.masked_fill(~row_ok, float("-inf"))
+        acc, lse = (o, part) if acc is None or lse is None else _join(acc, lse, o, part)
+    if sinks is not None:
+        sink = sinks.to(qg.dtype).view(1, h, 1, 1).expand(b, h, n, 1)  # (Bs, H, n, 1)
+        if acc is None or lse is None:
+            return qg.new_zeros(b, h, n, dv)
+        acc, lse = _join(acc, lse, qg.new_zeros(()), sink)
+    return acc if acc is not None else qg.new_zeros(b, h, n, dv)
+
+
+def _join(acc: Tensor, lse: Tensor, o: Tensor, part: Tensor) -> tuple[Tensor, Tensor]:
+    """Two normalised partial outputs (Bs, H, n, Dv) with their log-sum-exps (Bs, H, n, 1) -> one."""
+    total = torch.logaddexp(lse, part)  # (Bs, H, n, 1)
+    shift = total.masked_fill(torch.isneginf(total), 0.0)  # rows with nothing so far stay 0
+    return acc * torch.exp(lse - shift) + o * torch.exp(part - shift), total
+
+
+# ----------------------------------------------------------------------------------------------
+# Online softmax over the spans of one block of queries
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _State:
+    """Running row max ``top`` (no gradient: the result does not depend on it), denominator ``total``
+    and unnormalised output ``acc`` of one block of queries: (Bs, H, n, 1), (Bs, H, n, 1), (Bs, H, n, Dv)."""
+
+    top: Tensor
+    total: Tensor
+    acc: Tensor
+
+    @classmethod
+    def start(cls, b: int, h: int, n: int, dv: int, like: Tensor, sinks: Tensor | None) -> _State:
+        acc = like.new_zeros(b, h, n, dv)
+        if sinks is None:
+            return cls(like.new_full((b, h, n, 1), float("-inf")), like.new_zeros(b, h, n, 1), acc)
+        sink = sinks.to(like.dtype).view(1, h, 1, 1)  # (1, H, 1, 1)
+        top = sink.detach().expand(b, h, n, 1)
+        return cls(top, torch.exp(sink - sink.detach()).expand(b, h, n, 1), acc)  # exp(0) = 1, with grad
+
+    def add(self, s: Tensor, v: Tensor, g: int, grad: bool) -> None:
+        """Join the scores s (Bs, H, n, w) of one span with its values v (Bs, Hkv, w, Dv)."""
+        b, h, n, w = s.shape
+        with torch.no_grad():
+            top = torch.maximum(self.top, s.amax(dim=-1, keepdim=True))  # (Bs, H, n, 1)
+            shift = top.masked_fill(torch.isneginf(top), 0.0)  # rows with nothing allowed yet: exp(-inf) = 0
+            alpha = torch.exp(self.top - shift)  # rescales what came before
+        p = s.sub_(shift).exp_() if not grad else torch.exp(s - shift)  # (Bs, H, n, w)
+        pv = torch.matmul(p.view(b, h // g, g * n, w), v).view(b, h, n, -1)  # (Bs, H, n, Dv)
+        if grad:
+            self.total = self.total * alpha + p.sum(dim=-1, keepdim=True)
+            self.acc = self.acc * alpha + pv
+        else:
+            self.total = self.total.mul(alpha).add_(p.sum(dim=-1, keepdim=True))
+            self.acc = self.acc.mul_(alpha).add_(pv)
+        self.top = top
+
+    def finish(self) -> Tensor:
+        """acc / total, 0 in rows that saw no key and no sink (Bs, H, n, Dv)."""
+        return self.acc / self.total.masked_fill(self.total == 0, 1.0)

@@ -180,21 +180,51 @@ def _per_sequence(m, q, k, v, **kwargs):
     ids=["plain", "bias_kv", "zero_attn", "both"],
 )
 @pytest.mark.parametrize("kv", ["self", "cross"])
-def test_nested_inputs_attend_over_real_tokens_only(layout, flags, kv):
+@pytest.mark.parametrize("need_weights", [True, False], ids=["weights", "packed"])
+def test_nested_inputs_attend_over_real_tokens_only(layout, flags, kv, need_weights):
     torch.manual_seed(0)
     m = MultiheadAttention(10, 5, batch_first=True, **flags).eval()  # 5 heads: odd, torch refuses nested here
     q = _nested([4, 6], 10, layout, 1)
     k, v = (q, q) if kv == "self" else (_nested([7, 3], 10, layout, 2), _nested([7, 3], 10, layout, 3))
-    out, w = m(q, k, v, average_attn_weights=False)
+    out, w = m(q, k, v, need_weights=need_weights, average_attn_weights=False)
     assert out.is_nested and out.layout == layout
     outs, ws = _per_sequence(m, q, k, v, average_attn_weights=False)
+    for o, ref in zip(out.unbind(), outs):
+        torch.testing.assert_close(o, ref, atol=1e-6, rtol=1e-5)
+    if not need_weights:
+        assert w is None
+        return
     extra = int(bool(flags.get("add_bias_kv"))) + int(bool(flags.get("add_zero_attn")))
     assert w.shape == (2, 5, 6, max(t.shape[0] for t in k.unbind()) + extra)  # dense, padded like torch's
-    for i, (o, ref, wi) in enumerate(zip(out.unbind(), outs, ws)):
-        torch.testing.assert_close(o, ref, atol=1e-6, rtol=1e-5)
+    for i, wi in enumerate(ws):
         lq, lk = wi.shape[-2:]
         torch.testing.assert_close(w[i, :, :lq, :lk], wi, atol=1e-6, rtol=1e-5)
         assert not w[i, :, lq:].any() and not w[i, :, :, lk:].any()  # zeros outside the sequence's block
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_nested_without_weights_is_one_packed_call_with_segment_ids():
+    import multihead as mh
+
+    calls = []
+
+    def spy(q, k, v, **kwargs):
+        calls.append((tuple(q.shape), tuple(k.shape), kwargs.get("segment_ids")))
+        return mh.attention(q, k, v, **kwargs)
+
+    m = MultiheadAttention(E, H, batch_first=True, add_zero_attn=True)
+    m.attention_fn = spy
+    q = _nested([2, 5, 3], E, torch.jagged, 8)
+    m(q, q, q, need_weights=False)
+    ((q_shape, k_shape, (q_ids, kv_ids)),) = calls  # one call for the whole batch
+    assert q_shape == (1, H, 10, E // H) and k_shape == (
+        1,
+        H,
+        10 + 3,
+        E // H,
+    )  # sum of L_i, + a zero key each
+    assert q_ids.tolist() == [[0, 0, 1, 1, 1, 1, 1, 2, 2, 2]]
+    assert kv_ids.tolist() == [[0, 0, 1, 1, 1, 1, 1, 2, 2, 2, 0, 1, 2]]
 
 
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")

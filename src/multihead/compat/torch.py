@@ -347,6 +347,8 @@ class MultiheadAttention(_CoreMHA):
         Nested query/key/value (``batch_first=True``, no masks): components (L_i, E), (S_i, kdim),
         (S_i, vdim); the output is nested, (L_i, E) per sequence, and the weights (if requested) are
         dense, (N, max L_i, max S_i') with zeros outside each sequence's block, as torch returns them.
+        With ``need_weights=False`` the sequences are packed into one row and attend in one call, kept
+        apart by ``segment_ids``; with weights, each sequence attends alone (its weights are its block).
 
         Returns ``(attn_output, attn_weights)``; weights with ``need_weights`` only (in training mode with
         dropout > 0 they are the dropped-out weights, as in torch). Rows with no allowed key: zeros.
@@ -396,22 +398,28 @@ class MultiheadAttention(_CoreMHA):
         bias: Tensor | None,
         causal: bool,
         need_weights: bool,
+        segment_ids: tuple[Tensor, Tensor] | None = None,
+        copies: int = 1,
     ) -> tuple[Tensor, Tensor | None]:
         """Batch-first inputs (N, L, E), (N, S, kdim), (N, S, vdim) and library-convention masks over S'
-        keys -> output (N, L, E) and per-head weights (N, H, L, S') or None."""
+        keys -> output (N, L, E) and per-head weights (N, H, L, S') or None.
+
+        ``add_bias_kv`` and ``add_zero_attn`` append ``copies`` keys each (C): one per packed sequence
+        when ``segment_ids`` (q_ids (N, L), kv_ids (N, S + extra*C)) pack several sequences in a row.
+        """
         n = query.shape[0]
         q, k, v = self.project(query, key, value)  # (N, H, L, D), (N, H, S, D), (N, H, S, D)
         if self.bias_k is not None and self.bias_v is not None:
-            heads = (n, self.num_heads, 1, self.head_dim)
+            added = (n, self.num_heads, copies, self.head_dim)
             k = torch.cat(
-                [k, self.bias_k.view(1, self.num_heads, 1, -1).expand(heads)], dim=2
-            )  # (N, H, S+1, D)
+                [k, self.bias_k.view(1, self.num_heads, 1, -1).expand(added)], dim=2
+            )  # (N, H, S+C, D)
             v = torch.cat(
-                [v, self.bias_v.view(1, self.num_heads, 1, -1).expand(heads)], dim=2
-            )  # (N, H, S+1, D)
+                [v, self.bias_v.view(1, self.num_heads, 1, -1).expand(added)], dim=2
+            )  # (N, H, S+C, D)
         if self.add_zero_attn:
-            k = F.pad(k, (0, 0, 0, 1))  # (N, H, S', D)
-            v = F.pad(v, (0, 0, 0, 1))  # (N, H, S', D)
+            k = F.pad(k, (0, 0, 0, copies))  # (N, H, S', D)
+            v = F.pad(v, (0, 0, 0, copies))  # (N, H, S', D)
         out_heads, weights = seam.attend(
             self,
             q,
@@ -420,6 +428,7 @@ class MultiheadAttention(_CoreMHA):
             mask=keep,
             bias=bias,
             causal=causal,
+            segment_ids=segment_ids,
             dropout=self.dropout if self.training else 0.0,
             return_weights=need_weights,
         )  # (N, H, L, D), (N, H, L, S') | None
@@ -481,22 +490,48 @@ class MultiheadAttention(_CoreMHA):
                 "component i of each is sequence i",
             )
         extra = self._extra_keys()
+        if not need_weights:
+            return self._packed(query, qs, ks, vs, extra), None
         outs, weights = [], []
-        for qi, ki, vi in zip(qs, ks, vs):
+        for qi, ki, vi in zip(qs, ks, vs):  # the weights are per sequence: (L_i, S_i') blocks
             one = map_inputs(lambda t: t.unsqueeze(0), qi, ki, vi)  # (1, L_i, E), (1, S_i, *), (1, S_i, *)
             self._check_inputs(*one)
-            out, w = self._attend(*one, None, None, False, need_weights)  # (1, L_i, E), (1, H, L_i, S_i')
+            out, w = self._attend(*one, None, None, False, True)  # (1, L_i, E), (1, H, L_i, S_i')
             outs.append(out.squeeze(0))  # (L_i, E)
             weights.append(w)
         nested = torch.nested.as_nested_tensor(outs, layout=query.layout)  # (N, L*, E)
-        if not need_weights:
-            return nested, None
         lq, ls = max(q.shape[0] for q in qs), max(k.shape[0] for k in ks) + extra
-        dense = weights[0].new_zeros(len(qs), self.num_heads, lq, ls)  # (N, H, max L, max S')
+        dense = outs[0].new_zeros(len(qs), self.num_heads, lq, ls)  # (N, H, max L, max S')
         for i, w in enumerate(weights):
             assert w is not None
             dense[i, :, : w.shape[2], : w.shape[3]] = w[0]
         return nested, (dense.mean(dim=1) if average_attn_weights else dense)
+
+    def _packed(
+        self,
+        query: Tensor,
+        qs: tuple[Tensor, ...],
+        ks: tuple[Tensor, ...],
+        vs: tuple[Tensor, ...],
+        extra: int,
+    ) -> Tensor:
+        """All N sequences in one row and one attention call: ``segment_ids`` keep them apart, so every
+        query sees only its own sequence's keys (and its own copy of the appended keys); no padding."""
+        n, dev = len(qs), qs[0].device
+        q_in = torch.cat(qs).unsqueeze(0)  # (1, sum L_i, E)
+        k_in = q_in if ks is qs else torch.cat(ks).unsqueeze(0)  # (1, sum S_i, kdim)
+        v_in = k_in if vs is ks else torch.cat(vs).unsqueeze(0)  # (1, sum S_i, vdim)
+        self._check_inputs(q_in, k_in, v_in)
+        seq = torch.arange(n, device=dev)  # (N,)
+        q_lens = torch.tensor([t.shape[0] for t in qs], device=dev)  # (N,)
+        k_lens = torch.tensor([t.shape[0] for t in ks], device=dev)  # (N,)
+        q_ids = seq.repeat_interleave(q_lens)  # (sum L_i,)
+        kv_ids = torch.cat([seq.repeat_interleave(k_lens), *[seq] * extra])  # (sum S_i + extra*N,)
+        out, _ = self._attend(
+            q_in, k_in, v_in, None, None, False, False, segment_ids=(q_ids[None], kv_ids[None]), copies=n
+        )  # (1, sum L_i, E)
+        parts = list(out[0].split(q_lens.tolist()))  # N x (L_i, E)
+        return torch.nested.as_nested_tensor(parts, layout=query.layout)  # (N, L*, E)
 
     # ------------------------------------------------------------------------------------------
 

@@ -120,3 +120,64 @@ def test_state_dict_uses_d2l_names():
     assert list(layer.state_dict()) == [f"W_{n}.{p}" for n in "qkvo" for p in ("weight", "bias")]
     with pytest.raises(ValueError, match="divisible"):
         MultiHeadAttention(3, 4, 5, 10, 3, 0.1)
+
+
+# ---- d2l 1.0's constructor: MultiHeadAttention(num_hiddens, num_heads, dropout, bias=False), lazy sizes ----
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("sizes", [(P, P), (7, 9)], ids=["same", "other_sizes"])
+def test_d2l_1_0_form_matches_d2l(sizes, bias):
+    torch.manual_seed(0)
+    eq, ekv = sizes
+    layer = MultiHeadAttention(P, H, 0.5, bias=bias, keep_weights=True).eval()
+    assert isinstance(layer.W_q, torch.nn.LazyLinear)  # input sizes come from the first call, as in d2l 1.0
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(B, LQ, eq, generator=g), torch.randn(B, LK, ekv, generator=g)
+    lens = torch.tensor([3, 2])
+    with torch.no_grad():
+        ours = layer(x, y, y, lens)
+        ref, ref_w = d2l_mha(layer, x, y, y, lens)
+    assert layer.W_q.weight.shape == (P, eq) and layer.W_k.weight.shape == (P, ekv)
+    assert layer.W_o.weight.shape == (P, P) and (layer.W_o.bias is not None) == bias
+    assert ours.shape == (B, LQ, P)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(layer.attention.attention_weights, ref_w, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "args, kwargs",
+    [((P, H, 0.0), {}), ((), {"num_hiddens": P, "num_heads": H, "dropout": 0.0}), ((P, H), {"dropout": 0.0})],
+    ids=["positional", "keywords", "mixed"],
+)
+def test_both_forms_hold_the_same_weights_and_semantics(args, kwargs):
+    torch.manual_seed(0)
+    old = MultiHeadAttention(P, P, P, P, H, 0.0).eval()
+    new = MultiHeadAttention(*args, **kwargs).eval()
+    x, y = _data(2)
+    lens = torch.tensor([[1, 2, 3, 6], [6, 4, 2, 1]])
+    with torch.no_grad():
+        new(x, y, y)  # materialise the lazy layers, then take the old form's weights
+    assert list(new.state_dict()) == list(old.state_dict())
+    new.load_state_dict(old.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(new(x, y, y, lens), old(x, y, y, lens))
+        torch.testing.assert_close(new.to_multihead()(x, y, y, valid_lens=lens), old(x, y, y, lens))
+
+
+def test_old_form_by_keywords_and_bad_calls():
+    layer = MultiHeadAttention(
+        key_size=3, query_size=4, value_size=5, num_hiddens=10, num_heads=2, dropout=0.1
+    )
+    assert layer.W_q.weight.shape == (10, 4) and layer.W_k.weight.shape == (10, 3)
+    assert layer.W_v.weight.shape == (10, 5) and layer.W_o.weight.shape == (10, 10)
+    with pytest.raises(TypeError, match=r"num_hiddens, num_heads, dropout, bias=False"):
+        MultiHeadAttention(10, 2)  # no dropout: names both forms
+    with pytest.raises(TypeError, match="key_size"):
+        MultiHeadAttention(3, 4, 5, 10, 2)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        MultiHeadAttention(10, 2, 0.1, heads=2)
+    with pytest.raises(ValueError, match="divisible"):
+        MultiHeadAttention(10, 3, 0.1)
+    with pytest.raises(ValueError, match="forward pass first"):
+        MultiHeadAttention(10, 2, 0.1).to_multihead()

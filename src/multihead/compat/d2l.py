@@ -2,9 +2,10 @@
 
 Dimensions: B batch, H heads, Lq queries, Lk key-value pairs, P = num_hiddens, D = P // H.
 
-Same signatures as d2l (``DotProductAttention(dropout)``, ``MultiHeadAttention(key_size, query_size,
-value_size, num_hiddens, num_heads, dropout, bias=False)``, ``forward(queries, keys, values,
-valid_lens)``), same ``W_q``/``W_k``/``W_v``/``W_o`` weights, same ``valid_lens`` meaning: (B,) or (B, Lq),
+Same signatures as d2l (``DotProductAttention(dropout)``; ``MultiHeadAttention`` in both of the book's forms:
+d2l 1.0's ``(num_hiddens, num_heads, dropout, bias=False)`` with lazy input sizes (``nn.LazyLinear``, sized
+by the first call) and the earlier ``(key_size, query_size, value_size, num_hiddens, num_heads, dropout,
+bias=False)``; ``forward(queries, keys, values, valid_lens)``), same ``W_q``/``W_k``/``W_v``/``W_o`` weights, same ``valid_lens`` meaning: (B,) or (B, Lq),
 keys at index >= valid_len are hidden. A float ``valid_lens`` (DJL passes one) counts like d2l's
 ``arange < valid_len``, i.e. rounds up.
 
@@ -17,6 +18,9 @@ holds the last call's weights with d2l's shape (B*H, Lq, Lk).
 """
 
 from __future__ import annotations
+
+import inspect
+from typing import Any, NamedTuple, overload
 
 from torch import Tensor, nn
 
@@ -79,11 +83,76 @@ class DotProductAttention(nn.Module):
         return self.attend(q, k, v, valid_lens).squeeze(1)  # (B, Lq, Dv)
 
 
+def _d2l_v1(num_hiddens: int, num_heads: int, dropout: float, bias: bool = False) -> None:
+    """d2l 1.0 (the current book, ``d2l`` 1.0.x): input sizes are lazy."""
+
+
+def _d2l_v0(
+    key_size: int,
+    query_size: int,
+    value_size: int,
+    num_hiddens: int,
+    num_heads: int,
+    dropout: float,
+    bias: bool = False,
+) -> None:
+    """The book before 1.0 (d2l 0.x, DJL's port): input sizes given."""
+
+
+_FORMS = {form: inspect.signature(form) for form in (_d2l_v1, _d2l_v0)}
+
+
+def _shown(form: Any) -> str:
+    """A form's signature as a user writes it: ``(num_hiddens, num_heads, dropout, bias=False)``."""
+    params = [p.replace(annotation=inspect.Parameter.empty) for p in _FORMS[form].parameters.values()]
+    return str(inspect.Signature(params))
+
+
+class _Args(NamedTuple):
+    """One constructor call, either form: ``sizes`` (key, query, value) or None for lazy layers."""
+
+    sizes: tuple[int, int, int] | None
+    num_hiddens: int
+    num_heads: int
+    dropout: float
+    bias: bool
+
+
+def _parse(args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Args:
+    """Bind a constructor call to d2l 1.0's form or the earlier one (5+ positionals or a *_size keyword)."""
+    old = len(args) > 4 or any(k in kwargs for k in ("key_size", "query_size", "value_size"))
+    form = _d2l_v0 if old else _d2l_v1
+    try:
+        bound = _FORMS[form].bind(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(
+            f"MultiHeadAttention{_shown(form)}: {e}. d2l's two forms are MultiHeadAttention{_shown(_d2l_v1)} "
+            f"(d2l 1.0, lazy input sizes) and MultiHeadAttention{_shown(_d2l_v0)} (before 1.0)"
+        ) from None
+    bound.apply_defaults()
+    a = bound.arguments
+    sizes = (a["key_size"], a["query_size"], a["value_size"]) if old else None
+    return _Args(sizes, a["num_hiddens"], a["num_heads"], a["dropout"], a["bias"])
+
+
+def _linear(in_features: int | None, out_features: int, bias: bool) -> nn.Module:
+    """``nn.Linear``, or ``nn.LazyLinear`` (in_features from the first call) when the size is not given."""
+    if in_features is None:
+        return nn.LazyLinear(out_features, bias=bias)
+    return nn.Linear(in_features, out_features, bias=bias)
+
+
 class MultiHeadAttention(nn.Module):
     """d2l's multi-head attention: ``W_q``/``W_k``/``W_v`` project to ``num_hiddens``, split into heads.
 
+    Two constructors, as in the book's editions::
+
+        MultiHeadAttention(num_hiddens, num_heads, dropout, bias=False)          # d2l 1.0: lazy sizes
+        MultiHeadAttention(key_size, query_size, value_size, num_hiddens, num_heads, dropout, bias=False)
+
     Args:
-        key_size, query_size, value_size: input feature sizes of keys, queries and values.
+        key_size, query_size, value_size: input feature sizes of keys, queries and values (earlier form;
+            d2l 1.0's form leaves them to the first call, through ``nn.LazyLinear``).
         num_hiddens: P, the projection size (D = P // num_heads per head) and the output size.
         num_heads: H.
         dropout: dropout on the attention weights (training mode).
@@ -94,6 +163,18 @@ class MultiHeadAttention(nn.Module):
     valid_lens (B,) or (B, Lq) or None -> (B, Lq, num_hiddens).
     """
 
+    @overload
+    def __init__(
+        self,
+        num_hiddens: int,
+        num_heads: int,
+        dropout: float,
+        bias: bool = False,
+        *,
+        keep_weights: bool = False,
+    ) -> None: ...
+
+    @overload
     def __init__(
         self,
         key_size: int,
@@ -105,8 +186,11 @@ class MultiHeadAttention(nn.Module):
         bias: bool = False,
         *,
         keep_weights: bool = False,
-    ) -> None:
+    ) -> None: ...
+
+    def __init__(self, *args: Any, keep_weights: bool = False, **kwargs: Any) -> None:
         super().__init__()
+        sizes, num_hiddens, num_heads, dropout, bias = _parse(args, kwargs)
         if num_hiddens % num_heads:
             raise ValueError(
                 f"num_hiddens ({num_hiddens}) must be divisible by num_heads ({num_heads}): each head gets "
@@ -114,10 +198,11 @@ class MultiHeadAttention(nn.Module):
             )
         self.num_heads = num_heads
         self.attention = DotProductAttention(dropout, keep_weights=keep_weights)
-        self.W_q = nn.Linear(query_size, num_hiddens, bias=bias)
-        self.W_k = nn.Linear(key_size, num_hiddens, bias=bias)
-        self.W_v = nn.Linear(value_size, num_hiddens, bias=bias)
-        self.W_o = nn.Linear(num_hiddens, num_hiddens, bias=bias)
+        key_size, query_size, value_size = (None, None, None) if sizes is None else sizes
+        self.W_q = _linear(query_size, num_hiddens, bias)
+        self.W_k = _linear(key_size, num_hiddens, bias)
+        self.W_v = _linear(value_size, num_hiddens, bias)
+        self.W_o = _linear(None if sizes is None else num_hiddens, num_hiddens, bias)  # lazy in d2l 1.0 too
 
     def forward(
         self, queries: Tensor, keys: Tensor, values: Tensor, valid_lens: Tensor | None = None
@@ -131,6 +216,12 @@ class MultiHeadAttention(nn.Module):
 
     def to_multihead(self) -> _CoreMHA:
         """The same layer as a :class:`multihead.MultiHeadAttention` (exact weights; mask with valid_lens=)."""
+        if any(isinstance(p, nn.parameter.UninitializedParameter) for p in self.parameters()):
+            raise ValueError(
+                "to_multihead needs the input sizes, which this d2l 1.0 layer (lazy nn.LazyLinear) learns on "
+                "its first call: run one forward pass first, or build it with the sizes, "
+                "MultiHeadAttention(key_size, query_size, value_size, num_hiddens, num_heads, dropout)"
+            )
         ws = [m.weight.detach() for m in (self.W_q, self.W_k, self.W_v, self.W_o)]
         bs = [None if m.bias is None else m.bias.detach() for m in (self.W_q, self.W_k, self.W_v, self.W_o)]
         state = from_shared(SharedWeights(*ws, *bs))

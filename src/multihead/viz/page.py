@@ -305,9 +305,11 @@ async function drawThumb(t) {
   const v = await head(t.mi, t.h), W = t.cv.width, H = t.cv.height;
   const ctx = t.cv.getContext("2d"), img = ctx.createImageData(W, H);
   const acc = new Uint8Array(W * H);  // the largest weight of each pixel's block of (query, key) cells
+  const px = new Int32Array(v.lk);  // key -> pixel column
+  for (let j = 0; j < v.lk; j++) px[j] = Math.floor(j * W / v.lk);
   for (let i = 0; i < v.lq; i++) {
-    const y = Math.floor(i * H / v.lq) * W, row = i * v.lk;
-    for (let j = 0; j < v.lk; j++) { const p = y + Math.floor(j * W / v.lk), x = v.q[row + j]; if (x > acc[p]) acc[p] = x; }
+    const y = Math.floor(i * H / v.lq) * W, row = v.q.subarray(i * v.lk, (i + 1) * v.lk);
+    for (let j = 0; j < v.lk; j++) { const x = row[j]; if (x !== 0 && x > acc[y + px[j]]) acc[y + px[j]] = x; }
   }
   let top = 64;  // the head's largest weight, at least 0.25: a uniform head stays pale
   for (let p = 0; p < W * H; p++) if (acc[p] > top) top = acc[p];

@@ -11,7 +11,7 @@ PIP := -m pip install -q --disable-pip-version-check
 SMOKE := build/smoke
 TORCH_PIN := $(shell grep -E '^torch==' requirements-dev.txt)
 
-.PHONY: venv demo test lint wheel smoke bench clean
+.PHONY: venv demo test lint wheel smoke bench clean browser
 
 venv: $(STAMP)
 
@@ -43,7 +43,15 @@ smoke: wheel
 	status=$$?; rm -rf $(CURDIR)/$(SMOKE); \
 	echo "wheel build + fresh venv + install + smoke test: $$(( $$(date +%s) - start )) s"; exit $$status
 
-test: lint smoke
+# headless Chromium for the page tests of `multihead view` (tests/test_view.py fails without it when CI=true):
+# installed with apt-get when missing and running as root (CI: a fresh Debian machine), else a hint
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	{ if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
+	  else echo "make browser: no chromium on PATH; install it (apt-get install chromium) for the page tests"; fi; }
+
+test: lint smoke browser
 	$(PY) -m pytest -q -n 2 --durations=10
 
 bench: $(STAMP)

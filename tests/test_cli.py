@@ -32,7 +32,7 @@ def test_version(capsys):
     assert code == 0 and out.strip() == f"multihead {multihead.__version__}"
 
 
-@pytest.mark.parametrize("argv", [[], ["demo"], ["bench"], ["export"]])
+@pytest.mark.parametrize("argv", [[], ["demo"], ["bench"], ["export"], ["view"]])
 def test_every_command_has_help_with_examples(capsys, argv):
     code, out, _ = run_main(capsys, [*argv, "--help"])
     assert code == 0
@@ -48,6 +48,8 @@ def test_every_command_has_help_with_examples(capsys, argv):
         (["export", "--config", "c.json"], "--config goes with --checkpoint"),
         (["export", "--checkpoint", "m.pt", "--heads", "2"], "--heads: the model comes from --checkpoint"),
         (["export", "--len", "1"], "--len must be >= 2"),
+        (["view", "--text", "t", "--out", "p.html"], "the following arguments are required: MODEL_DIR"),
+        (["view", "model", "--out", "p.html"], "the following arguments are required: --text"),
     ],
 )
 def test_usage_errors_exit_2_with_one_line(capsys, argv, message):
@@ -55,6 +57,18 @@ def test_usage_errors_exit_2_with_one_line(capsys, argv, message):
     assert code == 2
     last = err.strip().splitlines()[-1]
     assert last.startswith("multihead") and message in last and "Traceback" not in err
+
+
+def test_view_of_a_missing_folder_is_a_usage_error(capsys, tmp_path):
+    pytest.importorskip("transformers")  # the extra is checked first (exit 1 without it)
+    code, out, err = run_main(
+        capsys, ["view", str(tmp_path / "nope"), "--text", "t", "--out", str(tmp_path / "p.html")]
+    )
+    assert code == 2 and out == "" and not (tmp_path / "p.html").exists()
+    assert (
+        err.strip()
+        == f"multihead view: error: not a checkpoint folder: {tmp_path / 'nope'} (no such directory)"
+    )
 
 
 def test_missing_checkpoint_is_a_usage_error(capsys, tmp_path):
@@ -97,10 +111,16 @@ def run_without(blocked: set[str], argvs: list[list[str]], cwd: Path) -> list[tu
 
 
 def test_missing_extras_fail_at_once_naming_the_extra(tmp_path):
-    """``multihead demo`` without matplotlib stops before training; ``export`` without onnx before exporting."""
-    demo, export = run_without(
-        {"matplotlib", "onnx", "onnxscript"},
-        [["demo", "--out", "out"], ["export", "--out", "m.onnx"]],
+    """``multihead demo`` without matplotlib stops before training; ``export`` without onnx before exporting;
+    ``view`` without transformers (or matplotlib, with --png) before loading. One interpreter runs all four."""
+    demo, export, view, view_png = run_without(
+        {"matplotlib", "onnx", "onnxscript", "transformers"},
+        [
+            ["demo", "--out", "out"],
+            ["export", "--out", "m.onnx"],
+            ["view", "model", "--text", "t", "--out", "p.html"],
+            ["view", "model", "--text", "t", "--out", "p.html", "--png", "f.png"],
+        ],
         tmp_path,
     )
     code, out, err, seconds = demo
@@ -119,6 +139,18 @@ def test_missing_extras_fail_at_once_naming_the_extra(tmp_path):
         "pip install 'multihead[onnx]'"
     )
     assert not (tmp_path / "m.onnx").exists()
+    assert view[:3] == [
+        1,
+        "",
+        "multihead view: transformers not installed, needed for loading a Hugging Face checkpoint folder: "
+        "pip install 'multihead[transformers]'\n",
+    ]
+    assert view_png[:3] == [
+        1,
+        "",
+        "multihead view: matplotlib not installed, needed for multihead view --png: pip install 'multihead[viz]'\n",
+    ]
+    assert not (tmp_path / "p.html").exists() and not (tmp_path / "f.png").exists()
 
 
 def test_progress_redraws_only_on_a_terminal():

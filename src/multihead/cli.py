@@ -17,6 +17,7 @@ examples:
   multihead demo --help               the demo's options
   multihead export --checkpoint demo-out/model_pruned.pt --out dates.onnx
   multihead bench --quick             a few seconds of benchmarks
+  multihead view MODEL_DIR --text "The cat sat." --out heads.html   every head of a checkpoint
 
 exit status: 0 ok, 1 failed (e.g. a missing extra), 2 usage error"""
 
@@ -79,6 +80,16 @@ def _export(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from e
 
 
+def _view(args: argparse.Namespace) -> int:
+    from .commands.model_dir import BadInput
+    from .commands.view import run
+
+    try:
+        return run(args)
+    except BadInput as e:
+        raise UsageError(str(e)) from e
+
+
 def _bench(args: argparse.Namespace) -> int:
     from . import bench
 
@@ -100,7 +111,7 @@ def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,export}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,export,view}")
     demo = sub.add_parser(
         "demo",
         help="run the end-to-end demo",
@@ -132,6 +143,9 @@ def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser
 
     add_export_cli(sub)
     sub.choices["export"].set_defaults(handler=_export)
+    from .commands.view import add_cli as add_view_cli
+
+    add_view_cli(sub).set_defaults(handler=_view)
     return parser, dict(sub.choices)
 
 

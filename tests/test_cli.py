@@ -123,15 +123,16 @@ def test_missing_extras_fail_at_once_naming_the_extra(tmp_path):
         ],
         tmp_path,
     )
-    code, out, err, seconds = demo
+    code, out, err, _ = demo
     assert code == 1
     assert err.strip() == (
         "multihead demo: matplotlib not installed, needed for the demo's plots and HTML report: "
         "pip install 'multihead[viz]'"
     )
-    assert out == ""  # not even the seed table: nothing ran before the check
+    # nothing ran before the check: not the seed table, not one training step (no output folder); no
+    # wall-clock bound here -- it failed on a loaded machine, and these two facts are what it stood for
+    assert out == ""
     assert not (tmp_path / "out").exists()
-    assert seconds < 10, f"took {seconds:.0f} s: the check must come before training (about a minute)"
     code, _, err, _ = export
     assert code == 1
     assert err.strip() == (

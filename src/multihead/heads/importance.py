@@ -105,6 +105,7 @@ def importance(
     n_batches = 0
     calls: list[tuple[str, Tensor]] = []  # (module name, gate (B, H, 1, 1)) of each call in one batch
 
+    @torch.compiler.disable  # a leaf that needs grad: made outside a compiled graph (one clean break)
     def make_gate(name: str, h: Tensor) -> Tensor:
         gate = torch.ones(h.shape[0], h.shape[1], 1, 1, dtype=h.dtype, device=h.device)  # (B, H, 1, 1)
         gate.requires_grad_(True)

@@ -38,7 +38,9 @@ def masked(model: nn.Module, heads: HeadSpec) -> Iterator[nn.Module]:
     """Within the block, the listed heads of ``model`` output zeros (the gated model); yields ``model``.
 
     A masked head still computes its attention, but contributes nothing to ``out_proj``: this is
-    exactly what :func:`prune` computes with the head removed. Example::
+    exactly what :func:`prune` computes with the head removed. Blocks compose with each other and with
+    every other inspector (:mod:`multihead.nn.seam`): nested blocks mask the union of their heads, and a
+    capture, importance scores or a user inspector inside the block see the masked model. Example::
 
         with heads.masked(model, {"encoder.layers.0.self_attn": [2]}):
             logits = model(src, tgt)
@@ -95,7 +97,8 @@ def importance(
     Each example gets its own gate (B, H), so the absolute value is taken per example, as in the paper,
     not of a batch-averaged gradient (which lets opposite signs cancel). A module called several times in
     one forward (a decoder stepping with a cache) sums the gradients of its calls. Only the gates get
-    gradients: the parameters' ``.grad`` are left untouched.
+    gradients: the parameters' ``.grad`` are left untouched. Called inside :func:`masked` (or another
+    inspector's block), it scores the model as that block changes it; ``loss_fn`` may open blocks too.
     """
     modules = attention_modules(model)
     if not modules:

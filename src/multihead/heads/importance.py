@@ -47,13 +47,16 @@ def masked(model: nn.Module, heads: HeadSpec) -> Iterator[nn.Module]:
     """
     spec = _resolve(model, heads)
     check_routed(model)
+    modules = attention_modules(model)
+    # one (H,) tensor per masked module, made here: compiled code takes it as an input, so masking other
+    # heads of the same modules reuses the compiled graph instead of recompiling
+    gates = {name: torch.ones(module_heads(modules[name])[0]) for name, idx in spec.items() if idx}
+    for name, gate in gates.items():
+        gate[spec[name]] = 0.0
 
     def make_gate(name: str, h: Tensor) -> Tensor | None:
-        if not spec.get(name):
-            return None
-        gate = torch.ones(1, h.shape[1], 1, 1, dtype=h.dtype, device=h.device)  # (1, H, 1, 1)
-        gate[:, spec[name]] = 0
-        return gate
+        gate = gates.get(name)
+        return None if gate is None else gate.to(h)[None, :, None, None]  # (1, H, 1, 1)
 
     with seam.inspecting(_Gates(model, make_gate)):
         yield model

@@ -6,11 +6,14 @@ compile backend runs the captured graph op by op: it checks the capture (what a 
 at a fraction of inductor's compile time, and its results equal eager execution bit for bit.
 """
 
+import copy
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
 import multihead as mh
+from multihead import heads
 from multihead.nn import seam
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -135,3 +138,20 @@ def test_cached_decoding_step_compiles(rotary):
     assert counters["stats"]["unique_graphs"] <= 2
     with torch.no_grad(), pytest.raises(ValueError, match="KVCache is full"):
         step(x[:, :1], cache)
+
+
+def test_masking_head_after_head_reuses_the_compiled_graph():
+    """heads.masked's gates are inputs of the graph: masking each head in turn (as masking_drop does)
+    neither recompiles per head nor hits the recompile limit (a hard error with fullgraph=True)."""
+    torch.manual_seed(0)
+    mha = mh.MultiHeadAttention(16, 4).eval()
+    x = torch.randn(2, 5, 16)
+    compiled = _compiled(mha)
+    with torch.no_grad():
+        for h in [0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3]:
+            with heads.masked(mha, [h]):
+                got = compiled(x)
+            plain = copy.deepcopy(mha)
+            plain.out_proj.weight[:, h * 4 : (h + 1) * 4] = 0  # head h's columns of out_proj (head dim 4)
+            torch.testing.assert_close(got, plain(x))
+    assert counters["stats"]["unique_graphs"] <= 2

@@ -38,20 +38,25 @@ def masked(model: nn.Module, heads: HeadSpec) -> Iterator[nn.Module]:
     """Within the block, the listed heads of ``model`` output zeros (the gated model); yields ``model``.
 
     A masked head still computes its attention, but contributes nothing to ``out_proj``: this is
-    exactly what :func:`prune` computes with the head removed. Example::
+    exactly what :func:`prune` computes with the head removed. Blocks compose with each other and with
+    every other inspector (:mod:`multihead.nn.seam`): nested blocks mask the union of their heads, and a
+    capture, importance scores or a user inspector inside the block see the masked model. Example::
 
         with heads.masked(model, {"encoder.layers.0.self_attn": [2]}):
             logits = model(src, tgt)
     """
     spec = _resolve(model, heads)
     check_routed(model)
+    modules = attention_modules(model)
+    # one (H,) tensor per masked module, made here: compiled code takes it as an input, so masking other
+    # heads of the same modules reuses the compiled graph instead of recompiling
+    gates = {name: torch.ones(module_heads(modules[name])[0]) for name, idx in spec.items() if idx}
+    for name, gate in gates.items():
+        gate[spec[name]] = 0.0
 
     def make_gate(name: str, h: Tensor) -> Tensor | None:
-        if not spec.get(name):
-            return None
-        gate = torch.ones(1, h.shape[1], 1, 1, dtype=h.dtype, device=h.device)  # (1, H, 1, 1)
-        gate[:, spec[name]] = 0
-        return gate
+        gate = gates.get(name)
+        return None if gate is None else gate.to(h)[None, :, None, None]  # (1, H, 1, 1)
 
     with seam.inspecting(_Gates(model, make_gate)):
         yield model
@@ -95,7 +100,8 @@ def importance(
     Each example gets its own gate (B, H), so the absolute value is taken per example, as in the paper,
     not of a batch-averaged gradient (which lets opposite signs cancel). A module called several times in
     one forward (a decoder stepping with a cache) sums the gradients of its calls. Only the gates get
-    gradients: the parameters' ``.grad`` are left untouched.
+    gradients: the parameters' ``.grad`` are left untouched. Called inside :func:`masked` (or another
+    inspector's block), it scores the model as that block changes it; ``loss_fn`` may open blocks too.
     """
     modules = attention_modules(model)
     if not modules:
@@ -105,6 +111,7 @@ def importance(
     n_batches = 0
     calls: list[tuple[str, Tensor]] = []  # (module name, gate (B, H, 1, 1)) of each call in one batch
 
+    @torch.compiler.disable  # a leaf that needs grad: made outside a compiled graph (one clean break)
     def make_gate(name: str, h: Tensor) -> Tensor:
         gate = torch.ones(h.shape[0], h.shape[1], 1, 1, dtype=h.dtype, device=h.device)  # (B, H, 1, 1)
         gate.requires_grad_(True)

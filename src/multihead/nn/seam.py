@@ -7,12 +7,27 @@ projects its inputs to heads and then calls :func:`attend`, which
 
 1. calls the module's ``attention_fn`` -- any function with :func:`multihead.attention`'s signature
    (the default), e.g. ring attention installed by :func:`multihead.distributed.use_process_group`;
-2. applies the active :class:`Inspector`, if any: capture of per-head weights, head gates for
-   importance and masking (:mod:`multihead.viz`, :mod:`multihead.heads`).
+2. applies every active :class:`Inspector`: capture of per-head weights, head gates for importance and
+   masking (:mod:`multihead.viz`, :mod:`multihead.heads`), and any user inspector.
 
-Nothing is stored on the modules: an inspector is active only inside its ``with inspecting(...)`` block
-(a context variable), and leaving the block leaves no trace. Code that replaces the attention
-computation plugs in as an ``attention_fn``, never as a branch inside a module's ``forward``.
+Nothing is stored on the modules: an inspector is active only inside its ``with inspecting(...)`` block,
+and leaving the block leaves no trace. Code that replaces the attention computation plugs in as an
+``attention_fn``, never as a branch inside a module's ``forward``.
+
+Inspectors compose; none is dropped. Open blocks form a stack, outermost first, and :func:`attend`
+applies all of them in that order (the order the blocks were entered): each inspector's ``on_heads``
+gets the heads as the inspectors entered before it left them, and the weights as the attention
+function computed them (no inspector changes the weights). A block changes the model for the code
+inside it, and an inspector entered inside it is part of that code: inside ``heads.masked(m, [0])``, a
+capture or a user inspector sees the masked model. The attention function computes weights when the
+caller or *any* active inspector wants them. Gates multiply, so the order of gates does not matter;
+it matters only for an inspector that reads or changes the heads in other ways.
+
+The stack is an immutable tuple in a context variable: each thread and each asyncio task sees only
+the blocks it opened (a task starts with a copy of its creator's stack, as context variables do).
+torch.compile reads it through ``property(ContextVar.get)``, whose getter is C code: Dynamo reads such
+a property as a value and guards on it, so compiled code re-checks the calling thread's (and task's)
+stack on every call and recompiles when it changes; with no block open it traces no inspection at all.
 
 An attention function may carry ``sharded = True``: its inputs are one rank's shards of the sequences
 (ring attention). A module whose positions are per call (rotary embeddings, a KV cache) cannot use such a
@@ -21,39 +36,58 @@ function, and :func:`check_positions` says so.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Protocol
 
-import torch
 from torch import Tensor, nn
 
 from ..core.attention import AttentionOutput, output_and_weights
 
-__all__ = ["AttentionFn", "Inspector", "attend", "check_positions", "current", "inspecting", "is_sharded"]
+__all__ = [
+    "AttentionFn",
+    "Inspector",
+    "active",
+    "attend",
+    "check_positions",
+    "current",
+    "inspecting",
+    "is_sharded",
+]
 
 AttentionFn = Callable[..., Tensor | AttentionOutput]
 """``fn(q, k, v, *, mask, bias, valid_lens, causal, scale, dropout, return_weights, backend)`` as
 :func:`multihead.attention`: q (B, H, Lq, Dk), k (B, Hkv, Lk, Dk), v (B, Hkv, Lk, Dv) -> (B, H, Lq, Dv)."""
 
-_ACTIVE: ContextVar[Inspector | None] = ContextVar("multihead_inspector", default=None)
-# torch.compile cannot trace ContextVar.get. How many inspecting() blocks are open in any thread or task,
-# and the innermost inspector (a mirror of the context variable), are plain globals that it can read and
-# guard on: while no block is open (the normal case) attend() never reads the context variable; while
-# compiling it reads the mirror, so a compiled module recompiles when inspection starts or stops.
-_OPEN_BLOCKS = 0
-_MIRROR: Inspector | None = None
-_OPEN_LOCK = threading.Lock()
+_ACTIVE: ContextVar[tuple[Inspector, ...]] = ContextVar("multihead_inspectors")
 
 
-def _active() -> Inspector | None:
-    if not _OPEN_BLOCKS:
-        return None
-    if torch.compiler.is_compiling():
-        return _MIRROR
-    return _ACTIVE.get()
+class _Stack:
+    """Reads the active stack in a way torch.compile can trace *and* guard on, per thread and task.
+
+    Dynamo cannot trace ``ContextVar.get()`` (a graph break), but it reads a property whose getter is C
+    code as a plain value and re-reads it in its guards before every call of the compiled code. The
+    getter is ``_ACTIVE.get`` bound to the context variable; called as ``_ACTIVE.get(holder)`` it returns
+    the holder itself when nothing was set in this context (a fresh thread), which means "no inspector".
+    """
+
+    stack = property(_ACTIVE.get)
+
+
+_HOLDER = _Stack()
+
+
+def _stack() -> tuple[Inspector, ...]:
+    stack = _HOLDER.stack
+    return () if stack is _HOLDER else stack
+
+
+def _wants_weights(inspectors: tuple[Inspector, ...]) -> bool:
+    for inspector in inspectors:
+        if inspector.wants_weights:
+            return True
+    return False
 
 
 class Inspector:
@@ -62,30 +96,41 @@ class Inspector:
     wants_weights: bool = False
 
     def on_heads(self, module: nn.Module, heads: Tensor, weights: Tensor | None) -> Tensor:
-        """``heads`` (B, H, Lq, Dv) before merging, ``weights`` (B, H, Lq, Lk) or None; return heads."""
+        """``heads`` (B, H, Lq, Dv) before merging, ``weights`` (B, H, Lq, Lk) or None; return heads.
+
+        ``heads`` are as the inspectors entered before this one (outer blocks) left them.
+        """
         return heads
 
 
+def active() -> tuple[Inspector, ...]:
+    """The active inspectors of this thread/task, outermost first (``()`` in the normal case)."""
+    return _stack()
+
+
 def current() -> Inspector | None:
-    """The active inspector, or None (the normal case: no overhead beyond this lookup)."""
-    return _active()
+    """The innermost active inspector, or None (the normal case: no overhead beyond this lookup)."""
+    stack = _stack()
+    return stack[-1] if stack else None
 
 
 @contextmanager
 def inspecting(inspector: Inspector) -> Iterator[Inspector]:
-    """Make ``inspector`` active for the block (nested blocks stack and unwind)."""
-    global _OPEN_BLOCKS, _MIRROR
-    token = _ACTIVE.set(inspector)
-    with _OPEN_LOCK:
-        _OPEN_BLOCKS += 1
-        _MIRROR = inspector
+    """Make ``inspector`` active for the block, on top of those already active (none is replaced).
+
+    Blocks nest and unwind (also on error); :func:`attend` applies every active inspector, outermost
+    first. Only this thread (or asyncio task) sees the block, in eager and compiled code alike.
+    """
+    if not callable(getattr(inspector, "on_heads", None)):
+        raise TypeError(
+            f"inspector must be a multihead.nn.seam.Inspector (an object with on_heads(module, heads, "
+            f"weights) and wants_weights), got {type(inspector).__name__}"
+        )
+    token = _ACTIVE.set((*_stack(), inspector))
     try:
         yield inspector
     finally:
         _ACTIVE.reset(token)
-        with _OPEN_LOCK:
-            _OPEN_BLOCKS -= 1
-            _MIRROR = _ACTIVE.get()
 
 
 class AttentionModule(Protocol):
@@ -131,14 +176,14 @@ def attend(
 ) -> tuple[Tensor, Tensor | None]:
     """Attention of one module call: q (B, H, Lq, Dk), k (B, Hkv, Lk, Dk), v (B, Hkv, Lk, Dv).
 
-    Returns ``(heads (B, H, Lq, Dv), weights (B, H, Lq, Lk) or None)``: the heads after the active
-    inspector (if any) saw them, and the weights only when ``return_weights``. The inspector may ask for
-    weights (``wants_weights``); the module's caller still gets them only if it asked.
+    Returns ``(heads (B, H, Lq, Dv), weights (B, H, Lq, Lk) or None)``: the heads after every active
+    inspector saw them (outermost first), and the weights only when ``return_weights``. An inspector may
+    ask for weights (``wants_weights``); the module's caller still gets them only if it asked.
     ``segment_ids``, ``softcap`` and ``sinks`` reach ``attention_fn`` only when given (not None), so an
     attention function written before them (ring attention) keeps working for calls that do not use them.
     """
-    inspector = _active()
-    want = return_weights or (inspector is not None and inspector.wants_weights)
+    inspectors = _stack()  # outermost first; () in the normal case
+    want = return_weights or _wants_weights(inspectors)
     modern = {"segment_ids": segment_ids, "softcap": softcap, "sinks": sinks}
     res = module.attention_fn(
         q,
@@ -155,6 +200,6 @@ def attend(
         **{name: value for name, value in modern.items() if value is not None},
     )
     heads, weights = output_and_weights(res)  # (B, H, Lq, Dv), (B, H, Lq, Lk) | None
-    if inspector is not None:
+    for inspector in inspectors:  # each sees the heads the inspectors before it left
         heads = inspector.on_heads(module, heads, weights)  # type: ignore[arg-type]
     return heads, (weights if return_weights else None)

@@ -103,6 +103,8 @@ def capture(model: nn.Module) -> Iterator[Capture]:
         cap.get("decoder.layers.0.cross_attn")   # (B, H, T, S)
 
     Weights are the softmax probabilities before dropout, the same as ``return_weights=True`` gives.
+    A capture composes with every other inspector (:mod:`multihead.nn.seam`): inside
+    ``heads.masked(...)`` it records the masked model's weights, and nested captures each record.
     """
     check_routed(model)
     out = Capture()

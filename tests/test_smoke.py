@@ -11,15 +11,15 @@ import multihead as mh
 # name -> the promised signature, as written in the contract. The real one must have these parameters
 # with the same kinds and defaults, in this order; it may add keyword-only parameters with defaults.
 CONTRACT = {
-    "multihead.attention": "q, k, v, *, mask=None, bias=None, valid_lens=None, causal=False, scale=None, "
-    "dropout=0.0, return_weights=False, backend='auto'",
+    "multihead.attention": "q, k, v, *, mask=None, bias=None, valid_lens=None, causal=False, segment_ids=None, "
+    "softcap=None, sinks=None, scale=None, dropout=0.0, return_weights=False, backend='auto'",
     "multihead.attention_reference": "q, k, v, *, mask=None, bias=None, valid_lens=None, causal=False, "
-    "scale=None, dropout=0.0, return_weights=False",
+    "segment_ids=None, softcap=None, sinks=None, scale=None, dropout=0.0, return_weights=False",
     "multihead.MultiHeadAttention.__init__": "self, embed_dim, num_heads, *, kv_heads=None, kdim=None, vdim=None, "
     "head_dim=None, v_head_dim=None, out_dim=None, bias=True, dropout=0.0, rotary=False, attention_fn=None, "
-    "device=None, dtype=None",
+    "backend='auto', device=None, dtype=None",
     "multihead.MultiHeadAttention.forward": "self, query, key=None, value=None, *, mask=None, bias=None, "
-    "valid_lens=None, causal=False, cache=None, return_weights=False",
+    "valid_lens=None, causal=False, segment_ids=None, cache=None, return_weights=False",
     "multihead.TransformerEncoder.forward": "self, x, *, mask=None, valid_lens=None",
     "multihead.TransformerEncoderLayer.forward": "self, x, *, mask=None, valid_lens=None",
     "multihead.TransformerDecoder.forward": "self, x, memory, *, mask=None, valid_lens=None, causal=True, "

@@ -117,12 +117,12 @@ class MultiHeadAttention(nn.Module):
         bias: bool = True,
         dropout: float = 0.0,
         rotary: bool = False,
-        softcap: float | None = None,
-        sinks: bool = False,
         attention_fn: seam.AttentionFn | None = None,
         backend: str = "auto",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        softcap: float | None = None,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         factory = {"device": device, "dtype": dtype}

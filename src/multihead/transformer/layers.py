@@ -362,7 +362,7 @@ class TransformerDecoderLayer(LayerBase):
     Arguments as :class:`TransformerEncoderLayer`; rotary embeddings apply to the self-attention only.
 
     ``layer(x, memory, *, mask=None, valid_lens=None, causal=True, memory_mask=None,
-    memory_valid_lens=None, segment_ids=None, memory_segment_ids=None, cache=None)``: x (B, T, E), memory
+    memory_valid_lens=None, cache=None, segment_ids=None, memory_segment_ids=None)``: x (B, T, E), memory
     (B, S, E) -> (B, T, E). ``mask``/``valid_lens``/``causal``/``segment_ids`` (B, T) go to the
     self-attention, ``memory_mask`` (broadcastable to (B, H, T, S)) and ``memory_valid_lens`` (B,) to the
     cross-attention; packed pairs attend across with ``segment_ids=(segment_ids, memory_segment_ids)``
@@ -385,9 +385,9 @@ class TransformerDecoderLayer(LayerBase):
         causal: bool = True,
         memory_mask: Tensor | None = None,
         memory_valid_lens: Tensor | None = None,
+        cache: KVCache | None = None,
         segment_ids: Tensor | None = None,
         memory_segment_ids: Tensor | None = None,
-        cache: KVCache | None = None,
     ) -> Tensor:
         """x (B, T, E), memory (B, S, E) -> (B, T, E)."""
         cross_ids = cross_segment_ids(segment_ids, memory_segment_ids)

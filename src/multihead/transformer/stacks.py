@@ -116,7 +116,7 @@ class TransformerDecoder(_Stack):
     """``num_layers`` :class:`TransformerDecoderLayer` s (6 by default), then a final LayerNorm if pre-norm.
 
     Built like :class:`TransformerEncoder`. ``dec(x, memory, *, mask=None, valid_lens=None, causal=True,
-    memory_mask=None, memory_valid_lens=None, segment_ids=None, memory_segment_ids=None, cache=None)``:
+    memory_mask=None, memory_valid_lens=None, cache=None, segment_ids=None, memory_segment_ids=None)``:
     x (B, T, E), memory (B, S, E) -> (B, T, E).
 
     Incremental decoding: one ``cache = KVCache()`` serves the whole stack (``cache.child(str(i))`` per
@@ -140,9 +140,9 @@ class TransformerDecoder(_Stack):
         causal: bool = True,
         memory_mask: Tensor | None = None,
         memory_valid_lens: Tensor | None = None,
+        cache: KVCache | None = None,
         segment_ids: Tensor | None = None,
         memory_segment_ids: Tensor | None = None,
-        cache: KVCache | None = None,
     ) -> Tensor:
         """x (B, T, E), memory (B, S, E) -> (B, T, E)."""
         if cache is not None and not isinstance(cache, KVCache):

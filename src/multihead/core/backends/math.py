@@ -136,8 +136,10 @@ def _attend(
     # With a sink: e^s / (sum e^s + e^sink) = softmax(s) * sigmoid(logsumexp(s) - sink), a factor per row:
     # it scales the output (G*Lq x Dv) rather than the weights (G*Lq x Lk) unless those are returned.
     sink_share = None
-    if extra.sinks is not None:
-        sink_share = torch.sigmoid(torch.logsumexp(scores, dim=-1, keepdim=True) - extra.sinks)  # (..., 1)
+    if extra.sinks is not None:  # the log-sum-exp in float32 at least: rounded to bf16 it is off by ~1%
+        wide = scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores
+        lse = torch.logsumexp(wide, dim=-1, keepdim=True)  # (B, Hkv, G*Lq, 1)
+        sink_share = torch.sigmoid(lse - extra.sinks.to(lse.dtype)).to(scores.dtype)  # (B, Hkv, G*Lq, 1)
     weights = torch.softmax(scores, dim=-1, out=w_buf) if w_buf is not None else torch.softmax(scores, dim=-1)
     del scores  # the one (B, Hkv, G*Lq, Lk) tensor alive from here on is `weights`
     if sink_share is not None and extra.weights_out:

@@ -174,9 +174,19 @@ def _reload(out, cls):
     return mhtf.from_pretrained(cls, out, attn_implementation=mhtf.register())
 
 
-def test_minilm_end_to_end(tmp_path, lines):
-    out = tmp_path / "pruned"
-    report = P.run(options(minilm_dir(), lines, out, heads="0.25", recover=5), echo=lambda _: None)
+@pytest.fixture(scope="module")
+def minilm_pruned(tmp_path_factory):
+    """all-MiniLM-L6-v2 pruned by a quarter (one scoring round, 5 recovery steps): (report, folder)."""
+    root = tmp_path_factory.mktemp("minilm")
+    data = root / "lines.txt"
+    data.write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
+    out = root / "pruned"
+    opts = options(minilm_dir(), data, out, heads="0.25", recover=5, rounds=1)
+    return P.run(opts, echo=lambda _: None), out
+
+
+def test_minilm_end_to_end(minilm_pruned):
+    report, out = minilm_pruned
     for name in ("model.safetensors", "config.json", "tokenizer.json", "prune_report.json", "prune_report.md",
                  "modules.json", "1_Pooling"):  # fmt: skip
         assert (out / name).exists(), name
@@ -208,9 +218,8 @@ def test_minilm_end_to_end(tmp_path, lines):
     "a BertModel's 'encoder.layer.0.attention.self' is 'bert.encoder.layer.0.attention.self' in "
     "BertForSequenceClassification (needs base_model_prefix-aware names in integrations/transformers.py)",
 )
-def test_pruned_encoder_loads_into_the_task_class(tmp_path, lines):
-    out = tmp_path / "pruned"
-    P.run(options(minilm_dir(), lines, out, heads="6", recover=0), echo=lambda _: None)
+def test_pruned_encoder_loads_into_the_task_class(minilm_pruned):
+    _, out = minilm_pruned
     base = _reload(out, T.AutoModel).eval()
     task = _reload(out, T.BertForSequenceClassification).eval()
     x = {
@@ -348,3 +357,11 @@ def test_truncate_accepts_long_texts(tmp_path, folders, lines):
     out = tmp_path / "pruned"
     P.run(options(folders["masked-lm"], lines, out, heads="1", truncate=True), echo=lambda _: None)
     assert (out / "model.safetensors").is_file()
+
+
+def test_help_has_examples_and_the_default_recovery(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["prune", "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "examples:\n  multihead prune" in out
+    assert f"default {P.DEFAULT_RECOVER}" in out

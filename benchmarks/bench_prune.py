@@ -151,6 +151,8 @@ def markdown(res: dict) -> str:
             f"| {r['forward_ms_pruned']:.0f} ms | {r['speedup']:.2f}x [{r['speedup_iqr'][0]:.2f}, "
             f"{r['speedup_iqr'][1]:.2f}] ({r['rounds']} rounds) | {r['command_seconds']:.0f} s |"
         )
+    notes = [f"--heads {r['heads']}: {r['note']}" for r in res["records"] if r.get("note")]
+    lines += ["", *(f"Note, {n}" for n in notes)] if notes else []
     for half in (r for r in res["records"] if r["heads"] == "0.5"):
         ok = "ok" if half["speedup"] >= res["speedup_target"] else "MISSED"
         lines += [
@@ -197,6 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--folder", type=Path, help="time an already pruned folder (with its prune_report.json) for --only"
     )
+    parser.add_argument("--note", default="", help="a sentence on how this record was made (in the table)")
     parser.add_argument("--recover", type=int, help="recovery steps (default: the command's default)")
     args = parser.parse_args(argv)
     for frac in [args.only] if args.only else list(TARGETS):
@@ -204,6 +207,7 @@ def main(argv: list[str] | None = None) -> None:
             record = measure(frac, args.folder, args.quick)
         else:
             record = run_one(frac, args.quick, args.recover)
+        record["note"] = args.note
         if args.quick:
             print(json.dumps(record, indent=2))
         else:

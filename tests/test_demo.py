@@ -61,7 +61,14 @@ def test_demo_writes_every_artefact(tmp_path):
     assert res["pruned"]["heads"] == res["full"]["heads"] - pruned_heads
     assert res["pruned"]["params"] < res["full"]["params"]
     table = (tmp_path / "results.md").read_text()
-    assert "| model | heads | parameters |" in table
+    assert (
+        "| model | heads | parameters | dev exact match | test exact match | decode speed | vs full |"
+        in table
+    )
+    # speed as the benchmarks measure it: both models in interleaved rounds, the machine named
+    assert "interleaved rounds" in table and "Measured on" in table and "cores" in table
+    assert re.search(r"\| pruned \|.*sentences/s \| [\d.]+x \[[\d.]+, [\d.]+\] \|", table)
+    assert res["speedup"].n >= 1 and res["speedup"].q1 <= res["speedup"].median <= res["speedup"].q3
     assert re.search(r"\| full \| 6 \| [\d,]+ \| [\d.]+% \|", table)
     assert re.search(r"\| pruned \| 3 \| [\d,]+ \| [\d.]+% \|", table)
     assert any("exact match" in line for line in lines)

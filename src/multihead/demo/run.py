@@ -30,6 +30,9 @@ from torch import Tensor, nn
 
 from .. import checkpoint, heads, viz
 from .._extras import require
+from ..bench.measure import Settings
+from ..bench.pair import PairTiming, machine, time_pair
+from ..bench.stats import Spread
 from ..progress import Progress
 from ..transformer import Transformer
 from .data import BOS, EOS, PAD, Dataset, Split, date_pairs, make_dataset
@@ -85,14 +88,23 @@ def _head(split: Split, n: int) -> Split:
     return Split(split.pairs[:n], split.src[:n], split.tgt_in[:n], split.tgt_out[:n])
 
 
-def decode_speed(model: Transformer, split: Split, max_len: int, repeats: int) -> float:
-    """Greedy KV-cache decoding throughput on ``split``, sentences per second (best of ``repeats``)."""
-    best = math.inf
-    for _ in range(max(1, repeats)):
-        start = time.perf_counter()
-        _predict(model, split, max_len, batch=250)
-        best = min(best, time.perf_counter() - start)
-    return len(split) / best
+def decode_speeds(
+    full: Transformer, pruned: Transformer, split: Split, max_len: int, min_rounds: int
+) -> PairTiming:
+    """Greedy KV-cache decoding of ``split`` by both models, timed as the benchmarks time (interleaved rounds).
+
+    Each round decodes the same sentences with the full and then the pruned model, so machine load hits
+    both alike; the speed-up is the median of the per-round ratios with its interquartile range
+    (:func:`multihead.bench.pair.time_pair`). At least ``min_rounds`` rounds, more within about 8 s.
+    """
+    settings = Settings(warmup=1, min_rounds=max(1, min_rounds), max_rounds=max(31, min_rounds), budget_s=8.0)
+    with Progress(settings.max_rounds + settings.warmup, "time") as bar:
+        return time_pair(
+            lambda: _predict(full, split, max_len, batch=250),
+            lambda: _predict(pruned, split, max_len, batch=250),
+            settings=settings,
+            note=lambda _: bar.update(1),
+        )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -214,11 +226,12 @@ class Row:
     params: int
     dev: float
     test: float
-    speed: float
+    speed: float = 0.0  # sentences/s: the test split over the median decoding time
+    speedup: Spread | None = None  # per-round time ratio full / this model (None: the full model itself)
 
 
 def _table(rows: list[Row]) -> list[list[str]]:
-    out = [["model", "heads", "parameters", "dev exact match", "test exact match", "decode speed"]]
+    out = [["model", "heads", "parameters", "dev exact match", "test exact match", "decode speed", "vs full"]]
     for r in rows:
         out.append(
             [
@@ -228,6 +241,7 @@ def _table(rows: list[Row]) -> list[list[str]]:
                 f"{r.dev:.1f}%",
                 f"{r.test:.1f}%",
                 f"{r.speed:,.0f} sentences/s",
+                "1.00x" if r.speedup is None else f"{r.speedup.words(unit='x')}",
             ]
         )
     return out
@@ -274,14 +288,29 @@ def evaluate(
     name: str, model: Transformer, ds: Dataset, cfg: DemoConfig, max_len: int, *, dev: float | None = None
 ) -> Row:
     """Step 3: exact match on dev (unless ``dev`` is already known) and test with greedy KV-cache
-    decoding, and the decoding speed."""
+    decoding (the speed is measured later, both models side by side: :func:`measure_speed`)."""
     return Row(
         name,
         sum(heads.head_counts(model).values()),
         count_params(model),
         exact_match(model, ds.dev, max_len) if dev is None else dev,
         exact_match(model, ds.test, max_len),
-        decode_speed(model, ds.test, max_len, cfg.speed_repeats),
+    )
+
+
+def measure_speed(
+    full: Row, small: Row, model: Transformer, pruned: Transformer, ds: Dataset, cfg: DemoConfig, max_len: int
+) -> str:
+    """Fill both rows' decoding speed (:func:`decode_speeds`); returns the sentence that says how and where."""
+    timing = decode_speeds(model, pruned, ds.test, max_len, cfg.speed_repeats)
+    full.speed = len(ds.test) / timing.first_s.median
+    small.speed = len(ds.test) / timing.second_s.median
+    small.speedup = timing.speedup
+    return (
+        f"Decode speed: greedy KV-cache decoding of the {len(ds.test)} test sentences (batches of 250), the "
+        f"two models in {timing.speedup.n} interleaved rounds; sentences/s from the median round, 'vs full' "
+        f"is the median per-round speed ratio [interquartile range]. Measured on {machine().words()}: "
+        f"absolute speeds depend on the machine, the ratio much less."
     )
 
 
@@ -390,6 +419,7 @@ def write_results(
     res: heads.PruneResult,
     seen: Inspection,
     echo: Echo,
+    speed_note: str = "",
 ) -> None:
     """Step 7: the before/after table (printed and ``results.md``) and the HTML report."""
     table = _table(rows)
@@ -397,10 +427,10 @@ def write_results(
         [name, heads.attention_kind(name), ", ".join(map(str, res.pruned.get(name, []))) or "-", str(h)]
         for name, h in heads.head_counts(res.model).items()
     ]
-    echo("\n" + _text_table(table) + "\n")
+    echo("\n" + _text_table(table) + "\n" + (f"\n{speed_note}\n" if speed_note else ""))
     (out / "results.md").write_text(
-        f"# multihead demo (seed {cfg.seed}, {ds.name})\n\n{_markdown(table)}\n\n## Pruned heads\n\n"
-        f"{_markdown(pruned_rows)}\n"
+        f"# multihead demo (seed {cfg.seed}, {ds.name})\n\n{_markdown(table)}\n\n{speed_note}\n\n"
+        f"## Pruned heads\n\n{_markdown(pruned_rows)}\n"
     )
     viz.write_report(
         out / "report.html",
@@ -436,8 +466,9 @@ def run(cfg: DemoConfig, out: str | Path, *, echo: Echo = print) -> dict[str, ob
     seen = inspect_heads(model, cfg, ds, max_len, out, echo)
     res = prune_heads(model, cfg, ds, max_len, echo)
     small = evaluate("pruned", res.model, ds, cfg, max_len, dev=res.metric)  # pruning measured dev already
+    speed_note = measure_speed(full, small, model, res.model, ds, cfg, max_len)
     same = save_and_reload(out, cfg, ds, model, res, max_len, echo)
-    write_results(out, cfg, ds, [full, small], res, seen, echo)
+    write_results(out, cfg, ds, [full, small], res, seen, echo, speed_note)
     echo(
         f"report: {out / 'report.html'} (and PNGs, results.md) in {out}/; "
         f"whole demo {time.perf_counter() - started:.0f} s"
@@ -445,6 +476,8 @@ def run(cfg: DemoConfig, out: str | Path, *, echo: Echo = print) -> dict[str, ob
     return {
         "full": asdict(full),
         "pruned": asdict(small),
+        "speedup": small.speedup,
+        "machine": machine().words(),
         "pruned_heads": res.pruned,
         "train_seconds": log.seconds,
         "reload_identical": same,

@@ -1,0 +1,91 @@
+"""Two models timed side by side (the tools' before/after speed figures), and the machine that timed them.
+
+``multihead prune`` and ``multihead demo`` compare an original model with its pruned copy. Both do it the
+way the benchmarks do (:mod:`multihead.bench.measure`): the two calls run in interleaved rounds
+(A B A B ...) on the same inputs, so machine load hits both alike, and the speed-up is the median of the
+per-round ratios with its interquartile range (:func:`multihead.bench.stats.per_round_ratio`). A figure
+from one machine says which machine it came from (:func:`machine`).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from .contenders import Step
+from .measure import Settings, interleaved
+from .stats import Spread, per_round_ratio, spread
+
+__all__ = ["PAIR_SETTINGS", "Machine", "PairTiming", "machine", "time_pair"]
+
+
+class Machine(NamedTuple):
+    """Where a timing ran: CPU model, logical cores, torch's intra-op threads, 1-minute load average."""
+
+    cpu: str
+    cores: int
+    threads: int
+    load: float | None
+
+    def words(self) -> str:
+        """``"Intel Xeon ... (2 cores, 2 torch threads, load 1.3)"``."""
+        load = "" if self.load is None else f", load {self.load:.1f}"
+        return f"{self.cpu} ({self.cores} cores, {self.threads} torch threads{load})"
+
+
+def machine() -> Machine:
+    """The CPU model (``/proc/cpuinfo``'s model name, else ``platform``), cores, threads and load now."""
+    cpu = ""
+    info = Path("/proc/cpuinfo")
+    if info.exists():
+        for line in info.read_text(errors="replace").splitlines():
+            if line.lower().startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    return Machine(
+        cpu or platform.processor() or platform.machine(), os.cpu_count() or 1, torch.get_num_threads(), load
+    )
+
+
+PAIR_SETTINGS = Settings(warmup=2, min_rounds=7, max_rounds=41, budget_s=10.0)
+"""Default rounds of :func:`time_pair`: 7 to 41 timed rounds after 2 warm-up rounds, within ~10 s."""
+
+
+class PairTiming(NamedTuple):
+    """Seconds per call of the two contenders and the speed-up (first's time / second's, per round)."""
+
+    first_s: Spread
+    second_s: Spread
+    speedup: Spread
+
+
+def time_pair(
+    first: Callable[[], object],
+    second: Callable[[], object],
+    *,
+    settings: Settings = PAIR_SETTINGS,
+    device: torch.device | str = "cpu",
+    note: Callable[[str], None] = lambda _: None,
+) -> PairTiming:
+    """Time ``first()`` and ``second()`` in interleaved rounds (same work each round); returns both spreads.
+
+    Each callable must do the same work every call (same inputs): e.g. the original and the pruned
+    model's forward pass on one batch. ``speedup`` > 1 means ``second`` is faster. Raises the first
+    error either callable raised.
+    """
+    steps = {"first": Step(first), "second": Step(second)}
+    with torch.inference_mode():
+        times, errors = interleaved(steps, torch.device(device), settings, note)
+    if errors:
+        raise RuntimeError("; ".join(f"{k}: {v}" for k, v in errors.items()))
+    return PairTiming(
+        spread(times["first"]),
+        spread(times["second"]),
+        per_round_ratio(times["first"], times["second"]),
+    )

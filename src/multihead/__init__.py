@@ -1,7 +1,8 @@
 """multihead: multi-head attention that is correct, fast and inspectable.
 
 The public names: the functional core :func:`attention` and its oracle :func:`attention_reference`, the
-:class:`MultiHeadAttention` module, the :mod:`masks` builders, and the Transformer built on them
+:class:`MultiHeadAttention` module, the :mod:`masks` builders (tensors and functions), the :mod:`segments`
+packing helpers, and the Transformer built on them
 (:class:`Transformer`, its layers and stacks, :class:`KVCache`).
 
 To work on the library, read ``docs/architecture.md`` first: the layers (``core`` -> ``nn`` ->
@@ -21,7 +22,7 @@ import importlib as _importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what the lazy names resolve to, for type checkers and IDEs
-    from .core import AttentionOutput, attention, attention_reference, masks
+    from .core import AttentionOutput, attention, attention_reference, masks, segments
     from .nn import KVCache, MultiHeadAttention, RotaryEmbedding
     from .transformer import (
         FeedForward,
@@ -41,6 +42,7 @@ _PUBLIC = {
     "attention": "core",
     "attention_reference": "core",
     "masks": "core",
+    "segments": "core",
     "KVCache": "nn",
     "MultiHeadAttention": "nn",
     "RotaryEmbedding": "nn",
@@ -84,6 +86,7 @@ __all__ = [
     "attention",
     "attention_reference",
     "masks",
+    "segments",
 ]
 assert sorted(__all__) == sorted(_PUBLIC)
 

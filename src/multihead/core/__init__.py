@@ -5,7 +5,7 @@ above plugs in through :class:`multihead.MultiHeadAttention`'s ``attention_fn`` 
 (see ``docs/architecture.md``).
 """
 
-from . import masks
+from . import masks, segments
 from .attention import AttentionOutput, attention, attention_reference, explain_backends
 
-__all__ = ["AttentionOutput", "attention", "attention_reference", "explain_backends", "masks"]
+__all__ = ["AttentionOutput", "attention", "attention_reference", "explain_backends", "masks", "segments"]

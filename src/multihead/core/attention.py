@@ -5,7 +5,9 @@ attention), Lq query length, Lk key length, Dk query/key head dim, Dv value head
 
 Mask convention (see :mod:`multihead.masks`): bool ``mask`` True = may attend; float ``bias`` added
 to the scores; ``valid_lens`` (B,) or (B, Lq) hides keys ``j >= valid_len``; ``causal`` is bottom-right
-aligned; all combine with AND; a query row with no allowed key gets output 0 and weights 0.
+aligned; ``segment_ids`` keep packed sequences apart; masks and biases may be functions of
+(b, h, q_idx, kv_idx); all combine with AND; a query row with no allowed key gets output 0 and weights 0.
+Order of operations: scale -> softcap -> + bias -> masks -> softmax (sinks in the denominator).
 """
 
 from __future__ import annotations
@@ -17,9 +19,16 @@ from torch import Tensor
 
 from . import backends as _backends
 from . import masks as _masks
-from .checks import check_dropout, check_scale
+from .checks import check_dropout, check_scale, check_softcap
 
-__all__ = ["AttentionOutput", "attention", "attention_reference", "explain_backends", "output_and_weights"]
+__all__ = [
+    "AttentionOutput",
+    "attention",
+    "attention_reference",
+    "check_sinks",
+    "explain_backends",
+    "output_and_weights",
+]
 
 
 class AttentionOutput(NamedTuple):
@@ -80,15 +89,42 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
         )
 
 
+def check_sinks(sinks: Tensor | None, q: Tensor) -> Tensor | None:
+    """``sinks`` (H,) float on q's device, returned in q's dtype (the cast keeps its gradient), or None."""
+    if sinks is None:
+        return None
+    h = q.shape[1]
+    if not isinstance(sinks, Tensor):
+        raise TypeError(
+            f"sinks must be a float torch.Tensor of shape (H,) = ({h},), got {type(sinks).__name__}"
+        )
+    if not sinks.is_floating_point():
+        raise TypeError(
+            f"sinks must be a floating-point tensor (one logit per head), got dtype {sinks.dtype}"
+        )
+    if tuple(sinks.shape) != (h,):
+        raise ValueError(
+            f"sinks must have shape (H,) = ({h},), one logit per query head, got {tuple(sinks.shape)}"
+        )
+    if sinks.device != q.device:
+        raise ValueError(
+            f"sinks is on {sinks.device} but q is on {q.device}; move it with sinks.to(q.device)"
+        )
+    return sinks.to(q.dtype)
+
+
 def prepare(
     q: Tensor,
     k: Tensor,
     v: Tensor,
     *,
-    mask: Tensor | None = None,
-    bias: Tensor | None = None,
+    mask: Tensor | _masks.MaskFn | None = None,
+    bias: Tensor | _masks.BiasFn | None = None,
     valid_lens: Tensor | None = None,
     causal: bool = False,
+    segment_ids: Tensor | tuple[Tensor, Tensor] | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
     scale: float | None = None,
     dropout: float = 0.0,
     return_weights: bool = False,
@@ -102,11 +138,20 @@ def prepare(
         bias=bias,
         valid_lens=valid_lens,
         causal=bool(causal),
+        segment_ids=segment_ids,
         dtype=q.dtype,
         device=q.device,
     )
     return _backends.AttentionCall(
-        q, k, v, norm, check_scale(scale, q.shape[-1]), check_dropout(dropout), bool(return_weights)
+        q,
+        k,
+        v,
+        norm,
+        check_scale(scale, q.shape[-1]),
+        check_dropout(dropout),
+        bool(return_weights),
+        softcap=check_softcap(softcap),
+        sinks=check_sinks(sinks, q),
     )
 
 
@@ -115,10 +160,13 @@ def attention(
     k: Tensor,
     v: Tensor,
     *,
-    mask: Tensor | None = None,
-    bias: Tensor | None = None,
+    mask: Tensor | _masks.MaskFn | None = None,
+    bias: Tensor | _masks.BiasFn | None = None,
     valid_lens: Tensor | None = None,
     causal: bool = False,
+    segment_ids: Tensor | tuple[Tensor, Tensor] | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
     scale: float | None = None,
     dropout: float = 0.0,
     return_weights: bool = False,
@@ -135,22 +183,45 @@ def attention(
                 1 1 0
                 1 1 1
 
+            Or a function ``fn(b, h, q_idx, kv_idx) -> bool tensor`` called with broadcastable int64
+            index tensors b (B, 1, 1, 1), h (1, H, 1, 1), q_idx (1, 1, Lq, 1), kv_idx (1, 1, 1, Lk) (or
+            blocks of them): a FlexAttention ``mask_mod``; see :mod:`multihead.masks` (``causal_fn``,
+            ``sliding_window_fn``, ...). Backends that can skip blocks never build it densely.
         bias: float, added to the scores, broadcastable to (B, H, Lq, Lk) (ALiBi, relative positions,
-            ``-inf`` entries forbid keys).
+            ``-inf`` entries forbid keys); or a function ``fn(b, h, q_idx, kv_idx) -> float tensor``.
         valid_lens: int (B,) or (B, Lq): keys at index >= valid_len are masked (d2l).
         causal: query i sees keys j <= i + (Lk - Lq) (bottom-right aligned).
+        segment_ids: int (B, L) for self-attention, or a pair (q_ids (B, Lq), kv_ids (B, Lk)): packed
+            sequences; a query sees only keys with its own id (with ``causal``: causal within each
+            sequence). Negative ids are padding: never attended; such queries output 0.
+            ids = [[0, 0, 1, 1]] with causal::
+
+                1 0 0 0
+                1 1 0 0
+                0 0 1 0
+                0 0 1 1
+
+        softcap: ``None`` or c > 0: scores -> c * tanh(scores / c) (Gemma 2's logit soft-capping).
+        sinks: ``None`` or float (H,): a per-head logit that joins every row's softmax denominator and
+            carries no value (gpt-oss's attention sinks); gradients flow to it. Returned weights are over
+            the real keys and sum to less than 1.
         scale: score scale, default 1/sqrt(Dk).
         dropout: probability of dropping attention weights; applied only when > 0 (pass 0 in eval).
         return_weights: also return the per-head weights (B, H, Lq, Lk), before dropout.
-        backend: ``"auto"`` (the fused SDPA kernel whenever it can serve the call, else ``"math"``),
-            ``"sdpa"`` or ``"math"``; every backend gives the same answer.
+        backend: ``"auto"`` (the first registered backend that can serve the call: flex on CUDA for
+            masks, the fused SDPA kernel, ..., ``"math"``), or a backend's name (``"sdpa"``, ``"math"``,
+            ...); every backend gives the same answer, and a named one that cannot serve says why.
+
+    The order of operations (one, on every backend): scale -> softcap -> + bias -> masks (mask, mask
+    functions, valid_lens, causal, segments: AND) -> softmax (with the sink in the denominator) -> a
+    query row with no allowed key gives 0 (with sinks too).
 
     Returns:
         (B, H, Lq, Dv) output, or ``AttentionOutput(output, weights)`` with ``return_weights=True``.
         A query row with no allowed key has output 0 and weights 0 (finite gradients), on every backend.
 
-    Equals ``softmax(q @ k^T * scale + bias, masked) @ v`` with K/V repeated H // Hkv times; see
-    :func:`attention_reference`.
+    Equals ``softmax(softcap(q @ k^T * scale) + bias, masked) @ v`` with K/V repeated H // Hkv times;
+    see :func:`attention_reference`.
     """
     call = prepare(
         q,
@@ -160,6 +231,9 @@ def attention(
         bias=bias,
         valid_lens=valid_lens,
         causal=causal,
+        segment_ids=segment_ids,
+        softcap=softcap,
+        sinks=sinks,
         scale=scale,
         dropout=dropout,
         return_weights=return_weights,
@@ -184,10 +258,13 @@ def attention_reference(
     k: Tensor,
     v: Tensor,
     *,
-    mask: Tensor | None = None,
-    bias: Tensor | None = None,
+    mask: Tensor | _masks.MaskFn | None = None,
+    bias: Tensor | _masks.BiasFn | None = None,
     valid_lens: Tensor | None = None,
     causal: bool = False,
+    segment_ids: Tensor | tuple[Tensor, Tensor] | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
     scale: float | None = None,
     dropout: float = 0.0,
     return_weights: bool = False,
@@ -195,7 +272,9 @@ def attention_reference(
     """Plain, readable attention: the oracle every fast path is tested against.
 
     Same arguments and results as :func:`attention` (without ``backend``). It repeats K/V for grouped
-    heads, materialises the full (B, H, Lq, Lk) mask and applies softmax directly; nothing clever.
+    heads, evaluates mask/bias functions and segment ids on the full (B, H, Lq, Lk) grid, materialises
+    the whole mask, and applies softmax directly (a sink is one more column of the softmax that is
+    dropped afterwards); nothing clever.
     """
     check_qkv(q, k, v)
     b, h, lq, dk = q.shape
@@ -203,28 +282,45 @@ def attention_reference(
     target = (b, h, lq, lk)
     scale = check_scale(scale, dk)
     dropout = check_dropout(dropout)
+    softcap = check_softcap(softcap)
+    sinks = check_sinks(sinks, q)
 
     k = k.repeat_interleave(h // hkv, dim=1)  # (B, H, Lk, Dk)
     v = v.repeat_interleave(h // hkv, dim=1)  # (B, H, Lk, Dv)
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # (B, H, Lq, Lk)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
 
     allowed = torch.ones(target, dtype=torch.bool, device=q.device)  # (B, H, Lq, Lk)
-    if mask is not None:
+    if callable(mask) and not isinstance(mask, Tensor):
+        allowed = allowed & _masks.evaluate_fn(mask, target, "mask", q.device)
+    elif mask is not None:
         allowed = allowed & _masks.check_mask(mask, target)
     if valid_lens is not None:
         _masks.check_valid_lens(valid_lens, b, lq)
         allowed = allowed & _masks.from_valid_lens(valid_lens.to(q.device), lk, lq)
     if causal:
         allowed = allowed & _masks.causal(lq, lk, device=q.device)
-    if bias is not None:
+    if segment_ids is not None:
+        q_ids, kv_ids = _masks.check_segment_ids(segment_ids, b, lq, lk, q.device)
+        allowed = allowed & _masks.segment_mask(q_ids, kv_ids)
+    if callable(bias) and not isinstance(bias, Tensor):
+        bias = _masks.evaluate_fn(bias, target, "bias", q.device).to(q.dtype)
+    elif bias is not None:
         bias = _masks.check_bias(bias, target, q.dtype)
+    if bias is not None:
         scores = scores + bias
         allowed = allowed & ~torch.isneginf(bias)
 
     row_ok = allowed.any(dim=-1, keepdim=True)  # (B, H, Lq, 1)
     scores = scores.masked_fill(~allowed, float("-inf"))
     scores = scores.masked_fill(~row_ok, 0.0)  # a dead row: finite scores, zeroed below
-    weights = torch.softmax(scores, dim=-1) * row_ok  # (B, H, Lq, Lk)
+    if sinks is None:
+        weights = torch.softmax(scores, dim=-1)  # (B, H, Lq, Lk)
+    else:
+        sink = sinks.view(1, h, 1, 1).expand(b, h, lq, 1)  # (B, H, Lq, 1)
+        weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :lk]  # (B, H, Lq, Lk)
+    weights = weights * row_ok
     dropped = torch.nn.functional.dropout(weights, p=dropout) if dropout > 0 else weights
     out = torch.matmul(dropped, v)  # (B, H, Lq, Dv)
     return AttentionOutput(out, weights) if return_weights else out

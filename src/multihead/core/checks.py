@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["check_dropout", "check_scale", "is_int", "positive_int"]
+__all__ = ["check_dropout", "check_scale", "check_softcap", "is_int", "positive_int"]
 
 
 def is_int(value: object, minimum: int | None = None) -> bool:
@@ -43,3 +43,15 @@ def check_scale(scale: float | None, dk: int) -> float:
     if not _is_number(scale) or not math.isfinite(scale):
         raise ValueError(f"scale must be a finite number or None (= 1/sqrt(Dk)), got {scale!r}")
     return float(scale)
+
+
+def check_softcap(softcap: float | None) -> float | None:
+    """A logit soft cap: ``None`` (off) or a finite number > 0."""
+    if softcap is None:
+        return None
+    if not _is_number(softcap) or not math.isfinite(softcap) or softcap <= 0:
+        raise ValueError(
+            f"softcap must be a finite number > 0 (scores -> softcap * tanh(scores / softcap), e.g. 50.0 "
+            f"as Gemma 2) or None, got {softcap!r}"
+        )
+    return float(softcap)

@@ -21,8 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..core import backends as _backends
 from ..core.attention import AttentionOutput, attention
-from ..core.checks import check_dropout, positive_int
+from ..core.checks import check_dropout, check_softcap, positive_int
+from ..core.masks import check_segment_ids
+from ..core.segments import segment_positions
 from . import seam
 from .cache import KVCache
 from .rotary import RotaryEmbedding
@@ -70,14 +73,21 @@ class MultiHeadAttention(nn.Module):
         bias: biases on the input and output projections.
         dropout: dropout on the attention weights, in training mode only.
         rotary: rotary position embeddings (:class:`~multihead.rotary.RotaryEmbedding`) on queries and
-            keys; positions are bottom-right aligned like ``causal`` and continue a ``cache``. Needs an
-            even head_dim; adds no parameters.
+            keys; positions are bottom-right aligned like ``causal`` and continue a ``cache``; with
+            ``segment_ids`` they restart at 0 in each packed sequence. Needs an even head_dim; adds no
+            parameters.
+        softcap: ``None`` or c > 0: scores -> c * tanh(scores / c) (Gemma 2).
+        sinks: a learnable per-head sink logit ``sinks`` (H,), initialised to zeros, in every softmax
+            denominator (gpt-oss).
+        backend: the attention backend's name, ``"auto"`` (default) or one of
+            ``multihead.core.backends.available()``; the attribute ``backend`` may be changed later.
         device, dtype: factory arguments for the parameters.
 
     Forward: ``query`` (B, Lq, E) [or unbatched (Lq, E)], ``key`` (B, Lk, kdim), ``value`` (B, Lk, vdim);
     ``key``/``value`` default to ``query`` (self-attention). Masks follow :func:`multihead.attention`:
-    ``mask`` bool (True = may attend) broadcastable to (B, H, Lq, Lk), ``bias`` float, ``valid_lens``
-    (B,) or (B, Lq), ``causal`` bottom-right aligned. Returns (B, Lq, O), or
+    ``mask`` bool (True = may attend) broadcastable to (B, H, Lq, Lk) or a mask function, ``bias`` float
+    or a bias function, ``valid_lens`` (B,) or (B, Lq), ``causal`` bottom-right aligned, ``segment_ids``
+    (B, L) or (q_ids (B, Lq), kv_ids (B, Lk)) for packed sequences. Returns (B, Lq, O), or
     ``AttentionOutput(output, weights (B, H, Lq, Lk))`` with ``return_weights=True``.
 
     ``cache`` (a :class:`~multihead.KVCache`) enables incremental decoding: a dynamic cache appends
@@ -89,8 +99,8 @@ class MultiHeadAttention(nn.Module):
     function that computes attention from the projected heads, with :func:`multihead.attention`'s
     signature; every call goes through :func:`multihead.nn.seam.attend`, which also applies the active
     inspection (capture, head gates). Ring attention plugs in here
-    (:func:`multihead.distributed.use_process_group`). ``backend`` (attribute, default ``"auto"``) is
-    passed to it.
+    (:func:`multihead.distributed.use_process_group`). ``backend`` (constructor keyword and attribute,
+    default ``"auto"``) is passed to it.
     """
 
     def __init__(
@@ -107,7 +117,10 @@ class MultiHeadAttention(nn.Module):
         bias: bool = True,
         dropout: float = 0.0,
         rotary: bool = False,
+        softcap: float | None = None,
+        sinks: bool = False,
         attention_fn: seam.AttentionFn | None = None,
+        backend: str = "auto",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -132,7 +145,12 @@ class MultiHeadAttention(nn.Module):
         self.vdim = positive_int("vdim", embed_dim if vdim is None else vdim)
         self.out_dim = positive_int("out_dim", embed_dim if out_dim is None else out_dim)
         self.dropout = check_dropout(dropout)
-        self.backend = "auto"
+        self.softcap = check_softcap(softcap)
+        if not isinstance(backend, str) or (backend != "auto" and backend not in _backends.available()):
+            raise ValueError(f"backend must be 'auto' or one of {_backends.available()}, got {backend!r}")
+        self.backend = backend
+        if not isinstance(sinks, bool):
+            raise TypeError(f"sinks must be a bool (a learnable per-head sink logit or none), got {sinks!r}")
         self.rotary = RotaryEmbedding(self.head_dim) if rotary else None
         self.attention_fn: seam.AttentionFn = attention if attention_fn is None else attention_fn
         if not callable(self.attention_fn):
@@ -159,6 +177,10 @@ class MultiHeadAttention(nn.Module):
         else:
             self.register_parameter("in_proj_bias", None)
         self.out_proj = nn.Linear(self.num_heads * self.v_head_dim, self.out_dim, bias=bias, **factory)
+        if sinks:
+            self.sinks = nn.Parameter(torch.empty(self.num_heads, **factory))  # (H,)
+        else:
+            self.register_parameter("sinks", None)
         self.reset_parameters()
 
     def _proj_sizes(self) -> tuple[int, int, int]:
@@ -182,6 +204,8 @@ class MultiHeadAttention(nn.Module):
         self.out_proj.reset_parameters()
         if self.out_proj.bias is not None:
             nn.init.zeros_(self.out_proj.bias)
+        if self.sinks is not None:
+            nn.init.zeros_(self.sinks)
 
     def extra_repr(self) -> str:
         parts = [f"embed_dim={self.embed_dim}", f"num_heads={self.num_heads}"]
@@ -200,6 +224,12 @@ class MultiHeadAttention(nn.Module):
             parts.append(f"dropout={self.dropout}")
         if self.rotary is not None:
             parts.append("rotary=True")
+        if self.softcap is not None:
+            parts.append(f"softcap={self.softcap:g}")
+        if self.sinks is not None:
+            parts.append("sinks=True")
+        if self.backend != "auto":
+            parts.append(f"backend={self.backend!r}")
         return ", ".join(parts)
 
     # ------------------------------------------------------------------------------------------
@@ -283,6 +313,7 @@ class MultiHeadAttention(nn.Module):
         bias: Tensor | None = None,
         valid_lens: Tensor | None = None,
         causal: bool = False,
+        segment_ids: Tensor | tuple[Tensor, Tensor] | None = None,
         cache: object | None = None,
         return_weights: bool = False,
     ) -> Tensor | AttentionOutput:
@@ -301,7 +332,7 @@ class MultiHeadAttention(nn.Module):
         seam.check_positions(self, self.attention_fn, rotary=self.rotary is not None, cache=cache is not None)
         q, k, v = self.project(query, key, value)  # (B, H, Lq, Dk), (B, Hkv, Lk, Dk), (B, Hkv, Lk, Dv)
         if cache is not None or self.rotary is not None:
-            q, k, v = self._rotate_and_cache(q, k, v, cache)
+            q, k, v = self._rotate_and_cache(q, k, v, cache, segment_ids)
         out_heads, weights = seam.attend(
             self,
             q,
@@ -311,6 +342,9 @@ class MultiHeadAttention(nn.Module):
             bias=bias,
             valid_lens=valid_lens,
             causal=causal,
+            segment_ids=segment_ids,
+            softcap=self.softcap,
+            sinks=self.sinks,
             dropout=self.dropout if self.training else 0.0,
             return_weights=return_weights,
         )  # (B, H, Lq, Dv), (B, H, Lq, Lk) | None
@@ -322,14 +356,29 @@ class MultiHeadAttention(nn.Module):
         return AttentionOutput(out, weights) if weights is not None else out
 
     def _rotate_and_cache(
-        self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache | None
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        cache: KVCache | None,
+        segment_ids: Tensor | tuple[Tensor, Tensor] | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Rotary positions and the KV cache, between projection and attention.
 
         New keys rotate by their absolute positions (after the L cached ones) before they are cached;
         queries rotate by bottom-right aligned positions ``Lk - Lq + i``, the rule ``causal`` uses.
+        With ``segment_ids`` (no cache) positions restart at 0 in each packed sequence.
         Returns q (B, H, Lq, Dk), k (B, Hkv, Lk, Dk), v (B, Hkv, Lk, Dv) with Lk counting the cache.
         """
+        if segment_ids is not None and self.rotary is not None:
+            if cache is not None:
+                raise ValueError(
+                    "rotary=True with both a KV cache and segment_ids is not supported: decode packed "
+                    "sequences one row per sequence (positions continue the cache), or drop the cache"
+                )
+            q_ids, kv_ids = check_segment_ids(segment_ids, q.shape[0], q.shape[2], k.shape[2], q.device)
+            q = self.rotary(q, positions=segment_positions(q_ids))  # (B, H, Lq, Dk)
+            return q, self.rotary(k, positions=segment_positions(kv_ids)), v  # (B, Hkv, Lk, Dk)
         if cache is not None and cache.static and cache.keys is not None:
             k, v = cache.keys, cache.values  # (B, Hkv, Lk, Dk), (B, Hkv, Lk, Dv), rotated when stored
         else:
@@ -393,6 +442,10 @@ class MultiHeadAttention(nn.Module):
             problems.append(f"out_dim={self.out_dim} != embed_dim={self.embed_dim}")
         if self.rotary is not None:
             problems.append("rotary=True (torch has no rotary embeddings)")
+        if self.softcap is not None:
+            problems.append(f"softcap={self.softcap:g} (torch has no logit soft-capping)")
+        if self.sinks is not None:
+            problems.append("sinks=True (torch has no attention sinks)")
         if problems:
             raise ValueError("torch.nn.MultiheadAttention cannot express this module: " + "; ".join(problems))
         ref = self.out_proj.weight

@@ -58,19 +58,35 @@ class RotaryEmbedding(nn.Module):
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, base={self.base:g}"
 
-    def angles(self, length: int, offset: int = 0, *, device: torch.device | None = None) -> Tensor:
-        """Angles (L, D) in float64 for positions ``offset .. offset + L - 1`` (each half repeated)."""
+    def angles(
+        self,
+        length: int,
+        offset: int = 0,
+        *,
+        device: torch.device | None = None,
+        positions: Tensor | None = None,
+    ) -> Tensor:
+        """Angles (L, D) in float64 for positions ``offset .. offset + L - 1`` (each half repeated), or
+        (B, 1, L, D) for explicit ``positions`` (B, L) (e.g. restarting in each packed sequence)."""
         half = self.head_dim // 2
         inv_freq = self.base ** (-torch.arange(half, dtype=torch.float64, device=device) / half)  # (D/2,)
+        if positions is not None:
+            ang = positions.to(torch.float64)[:, None, :, None] * inv_freq  # (B, 1, L, D/2)
+            return torch.cat([ang, ang], dim=-1)  # (B, 1, L, D)
         pos = torch.arange(offset, offset + length, dtype=torch.float64, device=device)  # (L,)
         ang = pos[:, None] * inv_freq[None, :]  # (L, D/2)
         return torch.cat([ang, ang], dim=-1)  # (L, D)
 
-    def forward(self, x: Tensor, *, offset: int = 0) -> Tensor:
-        """Rotate ``x`` (B, H, L, D) for positions ``offset + arange(L)``; returns (B, H, L, D)."""
+    def forward(self, x: Tensor, *, offset: int = 0, positions: Tensor | None = None) -> Tensor:
+        """Rotate ``x`` (B, H, L, D) for positions ``offset + arange(L)``, or for ``positions`` (B, L) int
+        when given; returns (B, H, L, D)."""
         if x.dim() != 4 or x.shape[-1] != self.head_dim:
             raise ValueError(f"rotary expects (B, H, L, {self.head_dim}), got {tuple(x.shape)}")
         if not is_int(offset):
             raise ValueError(f"offset must be an int (the position of x[:, :, 0]), got {offset!r}")
-        ang = self.angles(x.shape[2], offset, device=x.device)  # (L, D)
+        if positions is not None and tuple(positions.shape) != (x.shape[0], x.shape[2]):
+            raise ValueError(
+                f"positions must have shape (B, L) = {(x.shape[0], x.shape[2])}, got {tuple(positions.shape)}"
+            )
+        ang = self.angles(x.shape[2], offset, device=x.device, positions=positions)  # (L, D) or (B, 1, L, D)
         return apply_rotary(x, ang.cos().to(x.dtype), ang.sin().to(x.dtype))

@@ -122,6 +122,9 @@ def attend(
     bias: Tensor | None = None,
     valid_lens: Tensor | None = None,
     causal: bool = False,
+    segment_ids: Tensor | tuple[Tensor, Tensor] | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
     scale: float | None = None,
     dropout: float = 0.0,
     return_weights: bool = False,
@@ -131,9 +134,12 @@ def attend(
     Returns ``(heads (B, H, Lq, Dv), weights (B, H, Lq, Lk) or None)``: the heads after the active
     inspector (if any) saw them, and the weights only when ``return_weights``. The inspector may ask for
     weights (``wants_weights``); the module's caller still gets them only if it asked.
+    ``segment_ids``, ``softcap`` and ``sinks`` reach ``attention_fn`` only when given (not None), so an
+    attention function written before them (ring attention) keeps working for calls that do not use them.
     """
     inspector = _active()
     want = return_weights or (inspector is not None and inspector.wants_weights)
+    modern = {"segment_ids": segment_ids, "softcap": softcap, "sinks": sinks}
     res = module.attention_fn(
         q,
         k,
@@ -146,6 +152,7 @@ def attend(
         dropout=dropout,
         return_weights=want,
         backend=module.backend,
+        **{name: value for name, value in modern.items() if value is not None},
     )
     heads, weights = output_and_weights(res)  # (B, H, Lq, Dv), (B, H, Lq, Lk) | None
     if inspector is not None:

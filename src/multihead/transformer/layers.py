@@ -59,7 +59,9 @@ class PositionalEncoding(nn.Module):
         max_len: the longest position + 1 that can be encoded.
 
     ``pe(x, offset=0)`` with x (B, L, E) returns ``dropout(x + PE[offset : offset + L])`` (B, L, E); a
-    cached decoding step passes ``offset`` = the number of positions already decoded.
+    cached decoding step passes ``offset`` = the number of positions already decoded. ``pe(x,
+    positions=p)`` with p (B, L) int uses ``PE[p]`` instead (packed sequences: positions restart at 0
+    in each, :func:`multihead.segments.segment_positions`).
     """
 
     def __init__(
@@ -86,10 +88,19 @@ class PositionalEncoding(nn.Module):
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, max_len={self.max_len}"
 
-    def forward(self, x: Tensor, *, offset: int = 0) -> Tensor:
-        """x (B, L, E) -> dropout(x + PE[offset : offset + L]), (B, L, E)."""
+    def forward(self, x: Tensor, *, offset: int = 0, positions: Tensor | None = None) -> Tensor:
+        """x (B, L, E) -> dropout(x + PE[offset : offset + L]) (or ``PE[positions]``), (B, L, E)."""
         if x.dim() != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must have shape (B, L, {self.d_model}), got {tuple(x.shape)}")
+        if positions is not None:
+            if tuple(positions.shape) != tuple(x.shape[:2]) or positions.is_floating_point():
+                raise ValueError(
+                    f"positions must be an int tensor (B, L) = {tuple(x.shape[:2])}, got dtype "
+                    f"{positions.dtype} shape {tuple(positions.shape)}"
+                )
+            if positions.numel() and int(positions.max()) >= self.max_len:
+                raise ValueError(f"position {int(positions.max())} requested but max_len={self.max_len}")
+            return self.dropout(x + self.pe[positions].to(x.dtype))  # (B, L, E)
         if not is_int(offset, 0):
             raise ValueError(f"offset must be a non-negative int, got {offset!r}")
         end = offset + x.shape[1]
@@ -296,9 +307,9 @@ class TransformerEncoderLayer(LayerBase):
         kv_heads: grouped-query key/value heads. rotary: rotary embeddings in the self-attention.
         layer_norm_eps, bias: as in ``torch.nn.TransformerEncoderLayer``.
 
-    ``layer(x, *, mask=None, valid_lens=None, causal=False)``: x (B, S, E) -> (B, S, E); the masks go to
-    the self-attention (bool ``mask`` True = may attend, broadcastable to (B, H, S, S); ``valid_lens``
-    (B,) hides padded keys).
+    ``layer(x, *, mask=None, valid_lens=None, causal=False, segment_ids=None)``: x (B, S, E) -> (B, S, E);
+    the masks go to the self-attention (bool ``mask`` True = may attend, broadcastable to (B, H, S, S);
+    ``valid_lens`` (B,) hides padded keys; ``segment_ids`` (B, S) keeps packed sequences apart).
     """
 
     _torch_cls = nn.TransformerEncoderLayer
@@ -306,11 +317,37 @@ class TransformerEncoderLayer(LayerBase):
     has_cross_attn = False
 
     def forward(
-        self, x: Tensor, *, mask: Tensor | None = None, valid_lens: Tensor | None = None, causal: bool = False
+        self,
+        x: Tensor,
+        *,
+        mask: Tensor | None = None,
+        valid_lens: Tensor | None = None,
+        causal: bool = False,
+        segment_ids: Tensor | None = None,
     ) -> Tensor:
         """x (B, S, E) -> (B, S, E)."""
-        x = self._sublayer(x, 1, lambda h: self.self_attn(h, mask=mask, valid_lens=valid_lens, causal=causal))
+        x = self._sublayer(
+            x,
+            1,
+            lambda h: self.self_attn(
+                h, mask=mask, valid_lens=valid_lens, causal=causal, segment_ids=segment_ids
+            ),
+        )
         return self._sublayer(x, 2, self.ff)
+
+
+def cross_segment_ids(
+    segment_ids: Tensor | None, memory_segment_ids: Tensor | None
+) -> tuple[Tensor, Tensor] | None:
+    """The cross-attention's ``segment_ids`` pair (target ids (B, T), memory ids (B, S)), or None."""
+    if memory_segment_ids is None:
+        return None
+    if segment_ids is None:
+        raise ValueError(
+            "memory_segment_ids needs segment_ids too: packed target sequence i attends to packed source "
+            "sequence i, so give the target's ids (B, T) as segment_ids"
+        )
+    return segment_ids, memory_segment_ids
 
 
 class TransformerDecoderLayer(LayerBase):
@@ -325,9 +362,11 @@ class TransformerDecoderLayer(LayerBase):
     Arguments as :class:`TransformerEncoderLayer`; rotary embeddings apply to the self-attention only.
 
     ``layer(x, memory, *, mask=None, valid_lens=None, causal=True, memory_mask=None,
-    memory_valid_lens=None, cache=None)``: x (B, T, E), memory (B, S, E) -> (B, T, E). ``mask``/
-    ``valid_lens``/``causal`` go to the self-attention, ``memory_mask`` (broadcastable to (B, H, T, S))
-    and ``memory_valid_lens`` (B,) to the cross-attention. With a :class:`~multihead.KVCache` the layer
+    memory_valid_lens=None, segment_ids=None, memory_segment_ids=None, cache=None)``: x (B, T, E), memory
+    (B, S, E) -> (B, T, E). ``mask``/``valid_lens``/``causal``/``segment_ids`` (B, T) go to the
+    self-attention, ``memory_mask`` (broadcastable to (B, H, T, S)) and ``memory_valid_lens`` (B,) to the
+    cross-attention; packed pairs attend across with ``segment_ids=(segment_ids, memory_segment_ids)``
+    (target sequence i sees only source sequence i: give both, with matching ids). With a :class:`~multihead.KVCache` the layer
     decodes incrementally: ``cache.child("self_attn")`` grows by T each call and
     ``cache.child("cross_attn")`` (static) holds the memory's keys/values after the first call.
     """
@@ -346,21 +385,31 @@ class TransformerDecoderLayer(LayerBase):
         causal: bool = True,
         memory_mask: Tensor | None = None,
         memory_valid_lens: Tensor | None = None,
+        segment_ids: Tensor | None = None,
+        memory_segment_ids: Tensor | None = None,
         cache: KVCache | None = None,
     ) -> Tensor:
         """x (B, T, E), memory (B, S, E) -> (B, T, E)."""
+        cross_ids = cross_segment_ids(segment_ids, memory_segment_ids)
         self_cache = None if cache is None else cache.child("self_attn")
         cross_cache = None if cache is None else cache.child("cross_attn", static=True)
         x = self._sublayer(
             x,
             1,
-            lambda h: self.self_attn(h, mask=mask, valid_lens=valid_lens, causal=causal, cache=self_cache),
+            lambda h: self.self_attn(
+                h, mask=mask, valid_lens=valid_lens, causal=causal, segment_ids=segment_ids, cache=self_cache
+            ),
         )
         x = self._sublayer(
             x,
             2,
             lambda h: self.cross_attn(
-                h, memory, mask=memory_mask, valid_lens=memory_valid_lens, cache=cross_cache
+                h,
+                memory,
+                mask=memory_mask,
+                valid_lens=memory_valid_lens,
+                segment_ids=cross_ids,
+                cache=cross_cache,
             ),
         )
         return self._sublayer(x, 3, self.ff)

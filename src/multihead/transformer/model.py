@@ -17,6 +17,8 @@ from torch import Tensor, nn
 
 from ..core import masks as _masks
 from ..core.checks import check_dropout, positive_int
+from ..core.masks import check_segment_ids
+from ..core.segments import segment_positions
 from ..nn.cache import KVCache
 from .decoding import beam_search, greedy
 from .layers import PositionalEncoding
@@ -103,8 +105,12 @@ class Transformer(nn.Module):
 
     # -- building blocks ----------------------------------------------------------------------
 
-    def _embed(self, tokens: Tensor, table: nn.Embedding, offset: int = 0) -> Tensor:
-        """(B, L) long -> (B, L, E): scaled embedding plus position (or dropout alone with rotary)."""
+    def _embed(
+        self, tokens: Tensor, table: nn.Embedding, offset: int = 0, segment_ids: Tensor | None = None
+    ) -> Tensor:
+        """(B, L) long -> (B, L, E): scaled embedding plus position (or dropout alone with rotary).
+
+        With ``segment_ids`` (B, L) positions restart at 0 in each packed sequence."""
         if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.is_floating_point():
             raise ValueError(
                 f"token ids must be an integer tensor (B, L), got "
@@ -113,6 +119,11 @@ class Transformer(nn.Module):
         x = table(tokens) * math.sqrt(self.d_model)  # (B, L, E)
         if self.pos_encoding is None:
             return self.embed_dropout(x)
+        if segment_ids is not None:
+            ids, _ = check_segment_ids(
+                segment_ids, tokens.shape[0], tokens.shape[1], tokens.shape[1], tokens.device
+            )
+            return self.pos_encoding(x, positions=segment_positions(ids))
         return self.pos_encoding(x, offset=offset)
 
     def _padding(self, tokens: Tensor, valid_lens: Tensor | None) -> dict[str, Tensor | None]:
@@ -126,9 +137,12 @@ class Transformer(nn.Module):
             }  # (B,1,1,L)
         return {"mask": None, "valid_lens": None}
 
-    def encode(self, src: Tensor, *, src_valid_lens: Tensor | None = None) -> Tensor:
-        """src (B, S) long -> memory (B, S, E)."""
-        return self.encoder(self._embed(src, self.src_embed), **self._padding(src, src_valid_lens))
+    def encode(
+        self, src: Tensor, *, src_valid_lens: Tensor | None = None, src_segment_ids: Tensor | None = None
+    ) -> Tensor:
+        """src (B, S) long -> memory (B, S, E); ``src_segment_ids`` (B, S) for packed sources."""
+        x = self._embed(src, self.src_embed, segment_ids=src_segment_ids)  # (B, S, E)
+        return self.encoder(x, segment_ids=src_segment_ids, **self._padding(src, src_valid_lens))
 
     def decode(
         self,
@@ -138,13 +152,16 @@ class Transformer(nn.Module):
         src: Tensor | None = None,
         src_valid_lens: Tensor | None = None,
         tgt_valid_lens: Tensor | None = None,
+        src_segment_ids: Tensor | None = None,
+        tgt_segment_ids: Tensor | None = None,
         cache: KVCache | None = None,
     ) -> Tensor:
         """tgt (B, T) long, memory (B, S, E) -> logits (B, T, V).
 
         The memory's padding comes from ``src_valid_lens`` or, failing that, from the ``src`` tokens
         (pass one of them unless nothing is padded). With a ``cache``, ``tgt`` holds only the new
-        positions, which continue those cached; no target padding is applied then.
+        positions, which continue those cached; no target padding is applied then. Packed pairs:
+        ``tgt_segment_ids`` (B, T) and ``src_segment_ids`` (B, S), target sequence i with source i.
         """
         pad = (
             self._padding(src, src_valid_lens)
@@ -155,7 +172,8 @@ class Transformer(nn.Module):
             tgt_pad = self._padding(tgt, tgt_valid_lens)
         else:
             tgt_pad = {"mask": None, "valid_lens": tgt_valid_lens}
-        x = self._embed(tgt, self.tgt_embed, offset=0 if cache is None else len(cache))  # (B, T, E)
+        offset = 0 if cache is None else len(cache)
+        x = self._embed(tgt, self.tgt_embed, offset, segment_ids=tgt_segment_ids)  # (B, T, E)
         h = self.decoder(
             x,
             memory,
@@ -163,6 +181,8 @@ class Transformer(nn.Module):
             valid_lens=tgt_pad["valid_lens"],
             memory_mask=pad["mask"],
             memory_valid_lens=pad["valid_lens"],
+            segment_ids=tgt_segment_ids,
+            memory_segment_ids=src_segment_ids,
             cache=cache,
         )  # (B, T, E)
         return self.out_proj(h)  # (B, T, V)
@@ -174,10 +194,20 @@ class Transformer(nn.Module):
         *,
         src_valid_lens: Tensor | None = None,
         tgt_valid_lens: Tensor | None = None,
+        src_segment_ids: Tensor | None = None,
+        tgt_segment_ids: Tensor | None = None,
     ) -> Tensor:
-        """src (B, S), tgt (B, T) long -> logits (B, T, tgt_vocab)."""
-        memory = self.encode(src, src_valid_lens=src_valid_lens)  # (B, S, E)
-        return self.decode(tgt, memory, src=src, src_valid_lens=src_valid_lens, tgt_valid_lens=tgt_valid_lens)
+        """src (B, S), tgt (B, T) long -> logits (B, T, tgt_vocab); ``*_segment_ids`` for packed pairs."""
+        memory = self.encode(src, src_valid_lens=src_valid_lens, src_segment_ids=src_segment_ids)  # (B, S, E)
+        return self.decode(
+            tgt,
+            memory,
+            src=src,
+            src_valid_lens=src_valid_lens,
+            tgt_valid_lens=tgt_valid_lens,
+            src_segment_ids=src_segment_ids,
+            tgt_segment_ids=tgt_segment_ids,
+        )
 
     # -- generation ---------------------------------------------------------------------------
 

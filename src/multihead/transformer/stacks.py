@@ -91,18 +91,24 @@ class TransformerEncoder(_Stack):
     independently initialised layers from :class:`TransformerEncoderLayer`'s arguments.
     ``final_norm`` (default: the layers' ``norm_first``) adds the final LayerNorm ``.norm``.
 
-    ``enc(x, *, mask=None, valid_lens=None, causal=False)``: x (B, S, E) -> (B, S, E).
+    ``enc(x, *, mask=None, valid_lens=None, causal=False, segment_ids=None)``: x (B, S, E) -> (B, S, E).
     """
 
     _layer_cls = TransformerEncoderLayer
     _torch_cls = nn.TransformerEncoder
 
     def forward(
-        self, x: Tensor, *, mask: Tensor | None = None, valid_lens: Tensor | None = None, causal: bool = False
+        self,
+        x: Tensor,
+        *,
+        mask: Tensor | None = None,
+        valid_lens: Tensor | None = None,
+        causal: bool = False,
+        segment_ids: Tensor | None = None,
     ) -> Tensor:
         """x (B, S, E) -> (B, S, E)."""
         for layer in self.layers:
-            x = layer(x, mask=mask, valid_lens=valid_lens, causal=causal)
+            x = layer(x, mask=mask, valid_lens=valid_lens, causal=causal, segment_ids=segment_ids)
         return self._finish(x)
 
 
@@ -110,7 +116,8 @@ class TransformerDecoder(_Stack):
     """``num_layers`` :class:`TransformerDecoderLayer` s (6 by default), then a final LayerNorm if pre-norm.
 
     Built like :class:`TransformerEncoder`. ``dec(x, memory, *, mask=None, valid_lens=None, causal=True,
-    memory_mask=None, memory_valid_lens=None, cache=None)``: x (B, T, E), memory (B, S, E) -> (B, T, E).
+    memory_mask=None, memory_valid_lens=None, segment_ids=None, memory_segment_ids=None, cache=None)``:
+    x (B, T, E), memory (B, S, E) -> (B, T, E).
 
     Incremental decoding: one ``cache = KVCache()`` serves the whole stack (``cache.child(str(i))`` per
     layer)::
@@ -133,6 +140,8 @@ class TransformerDecoder(_Stack):
         causal: bool = True,
         memory_mask: Tensor | None = None,
         memory_valid_lens: Tensor | None = None,
+        segment_ids: Tensor | None = None,
+        memory_segment_ids: Tensor | None = None,
         cache: KVCache | None = None,
     ) -> Tensor:
         """x (B, T, E), memory (B, S, E) -> (B, T, E)."""
@@ -147,6 +156,8 @@ class TransformerDecoder(_Stack):
                 causal=causal,
                 memory_mask=memory_mask,
                 memory_valid_lens=memory_valid_lens,
+                segment_ids=segment_ids,
+                memory_segment_ids=memory_segment_ids,
                 cache=None if cache is None else cache.child(str(i)),
             )
         return self._finish(x)

@@ -1,17 +1,28 @@
-"""The ``flex`` backend: FlexAttention on CUDA for masks and biases the fused SDPA kernels cannot skip.
+"""The ``flex`` backend: FlexAttention on CUDA for masks, biases, softcap and sinks the fused SDPA kernels
+cannot skip or express.
 
-A bool ``mask`` becomes a block mask (``create_block_mask``), so whole blocks that a sliding window,
-a causal band or key padding forbids are never computed; a float ``bias`` becomes a ``score_mod`` that
-adds ``bias[b, h, i, j]`` to each score. The kernel is compiled by ``torch.compile`` (Triton) on first
-use for each shape. It serves CUDA only (elsewhere ``sdpa`` does the same work) and never returns weights.
+Everything that forbids keys becomes one ``mask_mod`` -- the AND of the dense mask (read by index), the
+user's mask function, the segment-id rule and bottom-right causality -- from which ``create_block_mask``
+builds a block mask, so whole blocks that a sliding window, a causal band, key padding or packed
+sequences forbid are never computed; no dense (Lq, Lk) mask is built by this library. Softcap, a dense
+bias and a bias function become one ``score_mod``. Sinks use the returned log-sum-exp: with
+``lse`` over the real keys, ``out * sigmoid(lse - sink[h])`` is exactly the output with the sink in the
+denominator. The kernel is compiled by ``torch.compile`` (Triton) on first use for each shape. It serves
+CUDA only (``compiled=False`` runs FlexAttention eagerly, forward only on CPU: for testing the plumbing)
+and never returns weights.
 
 Dimensions: B batch, H heads, Hkv kv heads, Lq/Lk lengths, Dk/Dv head dims.
 
 Equals::
 
-    flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s + bias[b, h, i, j],
-                   block_mask=create_block_mask(lambda b, h, i, j: mask[b, h, i, j], B, H, Lq, Lk),
-                   scale=scale, enable_gqa=Hkv < H)
+    out, lse = flex_attention(
+        q, k, v,
+        score_mod=lambda s, b, h, i, j: softcap * tanh(s / softcap) + bias[b, h, i, j] + bias_fn(b, h, i, j),
+        block_mask=create_block_mask(
+            lambda b, h, i, j: mask[b, h, i, j] & mask_fn(b, h, i, j) & (ids_q[b, i] == ids_k[b, j] >= 0)
+            & (j <= i + Lk - Lq), B, H, Lq, Lk),
+        scale=scale, enable_gqa=Hkv < H, return_lse=True)
+    out = out * sigmoid(lse - sink[h])
 
 with broadcast (size-1) mask/bias dimensions indexed at 0 and rows with no allowed key set to zero.
 """
@@ -24,6 +35,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
+from ..masks import BiasFn, MaskFn, and_masks, causal_fn, segments_fn, tensor_fn
 from ._common import zero_dead_rows
 from .base import AttentionCall
 
@@ -45,14 +57,18 @@ def _compiled_flex() -> Callable[..., Tensor]:
     return torch.compile(flex.flex_attention, dynamic=False)  # type: ignore[attr-defined]
 
 
-def _indexer(t: Tensor) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
-    """``(b, h, i, j) -> t[b, h, i, j]`` for a (B|1, H|1, Lq|1, Lk|1) tensor, size-1 dims read at 0."""
-    nb, nh, nq, nk = t.shape
-
-    def at(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
-        return t[b if nb > 1 else 0, h if nh > 1 else 0, i if nq > 1 else 0, j if nk > 1 else 0]
-
-    return at
+def _run_flex(
+    run: Callable[..., object], flex: object, want_lse: bool, **kwargs: object
+) -> tuple[Tensor, Tensor | None]:
+    """Call ``run`` (flex_attention, compiled or not) and return ``(out, lse or None)``."""
+    if not want_lse:
+        return run(**kwargs), None  # type: ignore[return-value]
+    aux_request = getattr(flex, "AuxRequest", None)
+    if aux_request is not None:  # torch >= 2.9
+        out, aux = run(**kwargs, return_aux=aux_request(lse=True))  # type: ignore[misc]
+        return out, aux.lse
+    out, lse = run(**kwargs, return_lse=True)  # type: ignore[misc]
+    return out, lse
 
 
 class FlexBackend:
@@ -62,48 +78,94 @@ class FlexBackend:
         self.compiled = compiled  # False: eager FlexAttention (slow, for testing the mask plumbing)
 
     def why_not(self, call: AttentionCall) -> Iterator[str]:
-        if call.q.device.type != "cuda" and self.compiled:
-            yield f"flex runs on CUDA only (Triton kernels); q is on {call.q.device.type}, where sdpa serves"
+        q, m = call.q, call.masks
+        if q.device.type != "cuda" and self.compiled:
+            yield f"flex runs on CUDA only (Triton kernels); q is on {q.device.type}, where sdpa serves"
         if _flex_module() is None:
             yield f"torch {torch.__version__} has no torch.nn.attention.flex_attention (needs 2.5+)"
-        if call.masks.mask is None and call.masks.bias is None:
-            yield "no mask or bias to skip blocks by: the fused sdpa kernels serve this call faster"
+        if (
+            m.mask is None
+            and m.bias is None
+            and not m.has_functions
+            and call.softcap is None
+            and call.sinks is None
+        ):
+            yield "no mask or bias (nor softcap or sinks) to serve: the fused sdpa kernels serve this call faster"
         if call.return_weights:
             yield "flex cannot return attention weights (use backend='math')"
         if call.dropout > 0:
             yield "flex has no attention dropout (use dropout=0.0 or backend='sdpa')"
-        if call.q.dtype not in _DTYPES:
-            yield f"flex supports dtypes {_DTYPES}, got {call.q.dtype}"
+        if q.dtype not in _DTYPES:
+            yield f"flex supports dtypes {_DTYPES}, got {q.dtype}"
+        if q.device.type == "cpu" and torch.is_grad_enabled() and _needs_grad(call):
+            yield "FlexAttention has no backward on CPU (run under torch.no_grad() or use another backend)"
 
     def __call__(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         flex = _flex_module()
         assert flex is not None
         q, k, v, m = call.q, call.k, call.v, call.masks
         b, h, lq, lk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
-        block_mask = None
+        parts: list[MaskFn] = []
+        per_b = per_h = m.mask_fn is not None  # a user function may read b and h
         if m.mask is not None:
-            keep = _indexer(m.mask)
-            mb, mh = m.mask.shape[0], m.mask.shape[1]
+            parts.append(tensor_fn(m.mask))
+            per_b, per_h = per_b or m.mask.shape[0] > 1, per_h or m.mask.shape[1] > 1
+        if m.mask_fn is not None:
+            parts.append(m.mask_fn)
+        if m.segments is not None:
+            parts.append(segments_fn(*m.segments))
+            per_b = True
+        if m.causal:  # dense mode: Lq == Lk; function mode: any lengths; bottom-right either way
+            parts.append(causal_fn(lq, lk))
+        block_mask = None
+        if parts:
+            mask_mod = and_masks(*parts)
             block_mask = flex.create_block_mask(  # type: ignore[attr-defined]
-                lambda bi, hi, i, j: keep(bi, hi, i, j), mb if mb > 1 else None, mh if mh > 1 else None,
+                lambda bi, hi, i, j: mask_mod(bi, hi, i, j), b if per_b else None, h if per_h else None,
                 lq, lk, device=q.device,
             )  # fmt: skip
-        score_mod = None
-        if m.bias is not None:
-            add = _indexer(m.bias)
-
-            def score_mod(s: Tensor, bi: Tensor, hi: Tensor, i: Tensor, j: Tensor) -> Tensor:
-                return s + add(bi, hi, i, j)
-
+        score_mod = _score_mod(call.softcap, m.bias, m.bias_fn)
         run = _compiled_flex() if self.compiled else flex.flex_attention  # type: ignore[attr-defined]
-        out = run(
-            q,  # (B, H, Lq, Dk)
-            k,  # (B, Hkv, Lk, Dk)
-            v,  # (B, Hkv, Lk, Dv)
+        out, lse = _run_flex(
+            run,
+            flex,
+            call.sinks is not None,
+            query=q,  # (B, H, Lq, Dk)
+            key=k,  # (B, Hkv, Lk, Dk)
+            value=v,  # (B, Hkv, Lk, Dv)
             score_mod=score_mod,
             block_mask=block_mask,
             scale=call.scale,
             enable_gqa=k.shape[1] != h,
-        )  # (B, H, Lq, Dv)
-        del b
+        )  # (B, H, Lq, Dv), (B, H, Lq) | None
+        if call.sinks is not None:
+            assert lse is not None
+            sink = call.sinks.view(1, h, 1).to(lse.dtype)  # (1, H, 1)
+            lse = torch.where(torch.isneginf(lse), sink, lse)  # a row with no key: out is 0 already
+            out = out * torch.sigmoid(lse - sink).unsqueeze(-1).to(out.dtype)  # (B, H, Lq, Dv)
         return zero_dead_rows(out, m.row_ok), None
+
+
+def _needs_grad(call: AttentionCall) -> bool:
+    tensors = (call.q, call.k, call.v, call.masks.bias, call.sinks)
+    return call.masks.bias_fn is not None or any(t.requires_grad for t in tensors if t is not None)
+
+
+def _score_mod(
+    softcap: float | None, bias: Tensor | None, bias_fn: BiasFn | None
+) -> Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor] | None:
+    """One ``score_mod``: softcap, then the dense bias and the bias function added (None if no part)."""
+    if softcap is None and bias is None and bias_fn is None:
+        return None
+    add = None if bias is None else tensor_fn(bias)
+
+    def score_mod(s: Tensor, bi: Tensor, hi: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
+        if add is not None:
+            s = s + add(bi, hi, i, j)
+        if bias_fn is not None:
+            s = s + bias_fn(bi, hi, i, j)
+        return s
+
+    return score_mod

@@ -1,4 +1,6 @@
-"""The ``math`` backend: explicit scores, softmax and a second matmul. Serves every call.
+"""The ``math`` backend: explicit scores, softmax and a second matmul. Serves every call (a call with
+mask/bias functions or segment ids only up to a dense grid of ``dense_limit`` scores, unless it needs
+weights or dropout: then always).
 
 It is the backend that returns per-head weights: the output is computed from the same softmax in the
 same pass, so ``return_weights=True`` costs one extra (B, H, Lq, Lk) tensor and nothing else.
@@ -7,53 +9,73 @@ Dimensions: B batch, H heads, Hkv kv heads, G = H // Hkv, Lq/Lk lengths, Dk/Dv h
 
 Equals, in plain PyTorch (with K/V repeated G times for grouped-query attention)::
 
-    w = softmax((q * scale) @ k.transpose(-2, -1) + bias masked with -inf where not mask, dim=-1)
+    s = (q * scale) @ k.transpose(-2, -1)
+    s = softcap * tanh(s / softcap)                                   # softcap given
+    w = softmax(s + bias masked with -inf where not mask, dim=-1)
+    w = w * sigmoid(logsumexp(s + bias, masked) - sink[h])           # sinks given: e^s / (sum e^s + e^sink)
     out = dropout(w) @ v
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from ..checks import is_int
-from ..masks import causal
-from ._common import group_mask, group_queries, ungroup, zero_dead_rows
+from ..masks import causal, materialize
+from ._common import (
+    DENSE_LIMIT,
+    dense_refusal,
+    group_mask,
+    group_queries,
+    group_sinks,
+    ungroup,
+    zero_dead_rows,
+)
 from .base import AttentionCall
 
 
 class MathBackend:
     """``block_bytes``: target size of one block of scores in the cache-blocked inference path (it
-    should fit in cache; the registered instance uses the default, 4 MiB)."""
+    should fit in cache; the registered instance uses the default, 4 MiB). ``dense_limit``: the largest
+    B*H*Lq*Lk grid it evaluates mask/bias functions and segment ids on (see ``_common.dense_refusal``)."""
 
     name = "math"
 
-    def __init__(self, *, block_bytes: int = 4 << 20) -> None:
+    def __init__(self, *, block_bytes: int = 4 << 20, dense_limit: int = DENSE_LIMIT) -> None:
         if not is_int(block_bytes, 1):
             raise ValueError(
                 f"block_bytes must be a positive int (bytes per block of scores), got {block_bytes!r}"
             )
+        if not is_int(dense_limit, 1):
+            raise ValueError(f"dense_limit must be a positive int (entries), got {dense_limit!r}")
         self.block_bytes = block_bytes
+        self.dense_limit = dense_limit
 
     def blocked(self, call: AttentionCall) -> bool:
         """Whether ``call`` takes the cache-blocked inference path (CPU, no autograd, large scores)."""
         q, k, v = call.q, call.k, call.v
         if call.dropout > 0 or q.device.type != "cpu":
             return False
-        if torch.is_grad_enabled() and any(
-            t.requires_grad for t in (q, k, v, call.masks.bias) if t is not None
+        if torch.is_grad_enabled() and (
+            call.masks.bias_fn is not None  # may close over parameters (learned slopes, tables)
+            or any(t.requires_grad for t in (q, k, v, call.masks.bias, call.sinks) if t is not None)
         ):
             return False
         b, h, lq, _ = q.shape  # the grouped queries (B, Hkv, G*Lq, Dk) hold as many score rows
         return b * h * lq * k.shape[2] * q.element_size() > 2 * self.block_bytes
 
     def why_not(self, call: AttentionCall) -> list[str]:
-        return []
+        reason = dense_refusal(call, self.dense_limit, self.name)
+        return [] if reason is None else [reason]
 
     def __call__(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
-        q, k, v, m = call.q, call.k, call.v, call.masks
-        h, hkv, lq, lk = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+        q, k, v = call.q, call.k, call.v
+        b, h, hkv, lq, lk = q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+        m = materialize(call.masks, (b, h, lq, lk), q.dtype, q.device)  # dense form (no-op without functions)
         # Scaling q (B*H*Lq*Dk products) is cheaper than scaling the scores (B*H*Lq*Lk), and its
         # contiguous result makes the grouping below a view.
         qg = group_queries(q * call.scale, hkv)  # (B, Hkv, G*Lq, Dk)
@@ -62,14 +84,25 @@ class MathBackend:
         if m.causal:  # only when Lq == Lk and nothing else masks
             keep = causal(lq, lk, device=q.device).view(1, 1, lq, lk)  # (1, 1, Lq, Lk)
         keep = group_mask(keep, h, hkv, lq)  # (B|1, Hkv|1, G*Lq|1, Lk|1)
+        extra = _Extras(call.softcap, group_sinks(call.sinks, hkv, lq))  # sinks (1, Hkv, G*Lq, 1)
         if self.blocked(call):
-            out, weights = _attend_blocked(qg, k, v, bias, keep, self.block_bytes)
+            out, weights = _attend_blocked(qg, k, v, bias, keep, extra, self.block_bytes)
         else:
-            out, weights = _attend(qg, k, v, bias, keep, call.dropout)
+            out, weights = _attend(qg, k, v, bias, keep, extra, call.dropout)
         out = zero_dead_rows(ungroup(out, h), m.row_ok)  # (B, H, Lq, Dv)
         if not call.return_weights:
             return out, None
         return out, zero_dead_rows(ungroup(weights, h), m.row_ok)  # (B, H, Lq, Lk)
+
+
+class _Extras(NamedTuple):
+    """Softcap (a float or None) and grouped sinks (1, Hkv, G*Lq, 1) or None."""
+
+    softcap: float | None = None
+    sinks: Tensor | None = None
+
+
+_NO_EXTRAS = _Extras()
 
 
 def _attend(
@@ -78,21 +111,32 @@ def _attend(
     v: Tensor,
     bias: Tensor | None,
     keep: Tensor | None,
+    extra: _Extras = _NO_EXTRAS,
     dropout: float = 0.0,
     out: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """softmax(qg k^T + bias, masked) (dropped out) @ v: (output (B, Hkv, G*Lq, Dv), weights (..., Lk)).
+    """softmax(capped(qg k^T) + bias, masked, sinks) (dropped out) @ v: (output (B, Hkv, G*Lq, Dv),
+    weights (..., Lk)).
 
     ``out``: (output, weights) buffers to write into (no autograd then).
     """
     o_buf, w_buf = out if out is not None else (None, None)
     scores = torch.matmul(qg, k.transpose(-2, -1), out=w_buf)  # (B, Hkv, G*Lq, Lk), a fresh tensor
+    if extra.softcap is not None:
+        c = extra.softcap
+        scores = scores.div_(c).tanh_().mul_(c) if w_buf is not None else torch.tanh(scores / c) * c
     if bias is not None:
-        scores = scores.add_(bias)  # in place: matmul's backward does not need its output
+        scores = scores.add_(bias)  # in place: neither matmul's nor tanh's * c backward needs its output
     if keep is not None:
         scores = scores.masked_fill_(~keep, float("-inf"))
+    # With a sink: e^s / (sum e^s + e^sink) = softmax(s) * sigmoid(logsumexp(s) - sink).
+    sink_share = None
+    if extra.sinks is not None:
+        sink_share = torch.sigmoid(torch.logsumexp(scores, dim=-1, keepdim=True) - extra.sinks)  # (..., 1)
     weights = torch.softmax(scores, dim=-1, out=w_buf) if w_buf is not None else torch.softmax(scores, dim=-1)
     del scores  # the one (B, Hkv, G*Lq, Lk) tensor alive from here on is `weights`
+    if sink_share is not None:
+        weights = weights.mul_(sink_share) if w_buf is not None else weights * sink_share
     dropped = F.dropout(weights, p=dropout) if dropout > 0 else weights
     return torch.matmul(dropped, v, out=o_buf), weights  # (B, Hkv, G*Lq, Dv), (B, Hkv, G*Lq, Lk)
 
@@ -103,7 +147,13 @@ def _sl(t: Tensor | None, dim: int, s: slice) -> Tensor | None:
 
 
 def _attend_blocked(
-    qg: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, keep: Tensor | None, block_bytes: int
+    qg: Tensor,
+    k: Tensor,
+    v: Tensor,
+    bias: Tensor | None,
+    keep: Tensor | None,
+    extra: _Extras,
+    block_bytes: int,
 ) -> tuple[Tensor, Tensor]:
     """:func:`_attend` over blocks of (batch, kv head) pairs written into preallocated outputs.
 
@@ -122,5 +172,6 @@ def _attend_blocked(
             hj = slice(j, min(hkv, j + heads))
             blk = [t[bi, hj] for t in (qg, k, v, out, weights)]
             mb, mk = (_sl(_sl(t, 0, bi), 1, hj) for t in (bias, keep))
-            _attend(blk[0], blk[1], blk[2], mb, mk, out=(blk[3], blk[4]))
+            part = _Extras(extra.softcap, _sl(extra.sinks, 1, hj))
+            _attend(blk[0], blk[1], blk[2], mb, mk, part, out=(blk[3], blk[4]))
     return out, weights

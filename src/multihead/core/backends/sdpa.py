@@ -14,6 +14,11 @@ Equals::
 
 with rows that have no allowed key set to zero. Grouped-query heads use ``enable_gqa``: K/V are never
 repeated, q is never copied, and the native causal kernel still applies.
+
+Sinks (per-head logits in the softmax denominator) are exact here: one extra key of zeros with value
+zeros whose bias is ``sink[h]`` -- its logit is the sink, and it adds nothing to the output. It cannot
+soft-cap scores (``softcap``): ``math`` or ``flex`` serve those calls. Mask/bias functions and segment
+ids are evaluated densely (:func:`multihead.masks.materialize`) up to ``dense_limit`` scores.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._common import zero_dead_rows
+from ..masks import causal, materialize, to_bias
+from ._common import DENSE_LIMIT, dense_refusal, zero_dead_rows
 from .base import AttentionCall
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -47,29 +53,64 @@ def _cuda_kernels() -> contextlib.AbstractContextManager:
         return sdpa_kernel(order)
 
 
+def _with_sink_key(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool, sinks: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """K/V with one more key of zeros (score 0, value 0) and the attention bias with ``sinks[h]`` for it:
+    k (B, Hkv, Lk+1, Dk), v (B, Hkv, Lk+1, Dv), bias (B|1, H, Lq|1, Lk+1)."""
+    b, h, lq, _ = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    k = torch.cat([k, k.new_zeros(b, hkv, 1, k.shape[3])], dim=2)  # (B, Hkv, Lk+1, Dk)
+    v = torch.cat([v, v.new_zeros(b, hkv, 1, v.shape[3])], dim=2)  # (B, Hkv, Lk+1, Dv)
+    if is_causal:  # the native flag would misplace the extra key: spell causality out
+        attn_mask = causal(lq, lk, device=q.device).view(1, 1, lq, lk)  # (1, 1, Lq, Lk)
+    if attn_mask is None:
+        attn_mask = q.new_zeros(1, 1, 1, lk)  # (1, 1, 1, Lk)
+    elif attn_mask.dtype == torch.bool:
+        attn_mask = to_bias(attn_mask, q.dtype)
+    mb, mq = attn_mask.shape[0], attn_mask.shape[2]
+    sink = sinks.view(1, h, 1, 1).expand(mb, h, mq, 1)  # (B|1, H, Lq|1, 1)
+    return k, v, torch.cat([attn_mask.expand(mb, h, mq, lk), sink], dim=-1)  # (B|1, H, Lq|1, Lk+1)
+
+
 class SDPABackend:
+    """``dense_limit``: the largest B*H*Lq*Lk grid it evaluates mask/bias functions and segment ids on."""
+
     name = "sdpa"
+
+    def __init__(self, *, dense_limit: int = DENSE_LIMIT) -> None:
+        self.dense_limit = dense_limit
 
     def why_not(self, call: AttentionCall) -> Iterator[str]:
         if call.return_weights:
             yield "sdpa cannot return attention weights (use return_weights=False or backend='math')"
         if call.q.dtype not in _DTYPES:
             yield f"sdpa supports dtypes {_DTYPES}, got {call.q.dtype}"
+        if call.softcap is not None:
+            yield f"sdpa cannot soft-cap scores (softcap={call.softcap}); use backend='math' (or flex on CUDA)"
+        reason = dense_refusal(call, self.dense_limit, self.name)
+        if reason is not None:
+            yield reason
 
     def __call__(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
-        q, k, v, m = call.q, call.k, call.v, call.masks
+        q, k, v = call.q, call.k, call.v
+        m = materialize(call.masks, (*q.shape[:3], k.shape[2]), q.dtype, q.device)  # no-op without functions
         attn_mask: Tensor | None = m.bias  # (B|1, H|1, Lq|1, Lk|1)
         if m.mask is not None:
             attn_mask = m.mask if attn_mask is None else attn_mask.masked_fill(~m.mask, float("-inf"))
+        is_causal = m.causal
+        if call.sinks is not None:
+            k, v, attn_mask = _with_sink_key(q, k, v, attn_mask, is_causal, call.sinks)
+            is_causal = False
         fused = q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
         with _cuda_kernels() if fused else contextlib.nullcontext():
             out = F.scaled_dot_product_attention(
                 q,  # (B, H, Lq, Dk), any strides with a contiguous last dim
-                k,  # (B, Hkv, Lk, Dk)
+                k,  # (B, Hkv, Lk, Dk), Lk + 1 with sinks
                 v,  # (B, Hkv, Lk, Dv)
                 attn_mask=attn_mask,
                 dropout_p=call.dropout,
-                is_causal=m.causal,
+                is_causal=is_causal,
                 scale=call.scale,
                 enable_gqa=k.shape[1] != q.shape[1],
             )  # (B, H, Lq, Dv)

@@ -44,7 +44,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..core.attention import attention
 from ..heads.naming import register_family
 from ..heads.prune import head_rows
 from ..nn import seam
@@ -366,13 +365,6 @@ def _weights_requested(kwargs: Mapping[str, Any]) -> bool:
     return bool(kwargs.get("output_attentions")) or _recording_attentions()
 
 
-def _equip(module: nn.Module) -> None:
-    """Give a Hugging Face attention module what the seam reads: ``attention_fn`` and ``backend``."""
-    if "attention_fn" not in module.__dict__:
-        module.attention_fn = attention
-        module.backend = "auto"
-
-
 def _window(lq: int, lk: int, window: int, device: torch.device) -> Tensor:
     """(Lq, Lk) bool: bottom-right aligned causal keys within the last ``window`` positions."""
     pos = torch.arange(lq, device=device)[:, None] + (lk - lq)  # (Lq, 1) absolute query positions
@@ -426,7 +418,8 @@ def attention_forward(
         scaling: score scale (default 1/sqrt(D)).
         kwargs: ``sliding_window`` (applied when no mask carries it), ``position_bias`` (added to the
             scores), ``softcap`` (Gemma 2), ``s_aux``/``sinks`` (gpt-oss's per-head sink logits (H,)),
-            ``position_ids``/``cu_seq_lens_q`` (packed sequences), ``output_attentions``.
+            ``position_ids``/``cu_seq_lens_q`` (packed sequences: a new sequence where the positions
+            restart, also when transformers, with a cache on, did not look), ``output_attentions``.
 
     Returns:
         ``(output (B, Lq, H, D), weights (B, H, Lq, Lk) or None)``: weights whenever transformers asks
@@ -435,18 +428,11 @@ def attention_forward(
     config = getattr(module, "config", None)
     if config is not None:
         _check_config(config)
-    for name in ("softcap", "s_aux", "sinks"):  # until the core serves them
-        if kwargs.get(name) is not None:
-            raise ValueError(
-                f"{type(module).__name__} passes {name}={kwargs[name]!r}, which multihead attention cannot "
-                f"honour (it would be silently ignored); run this model with attn_implementation='eager'"
-            )
     if kwargs.get("cache") is not None:
         raise ValueError(
             "multihead attention does not serve transformers' paged cache (continuous batching); use "
             "attn_implementation='sdpa' or 'eager' for generate_batch"
         )
-    _equip(module)
     lq, lk = query.shape[2], key.shape[2]
     mask = bias = segment_ids = None
     causal = False
@@ -460,6 +446,12 @@ def attention_forward(
             mask = _window(lq, lk, window, query.device)  # (Lq, Lk)
         else:
             causal = bool(wants_causal) and lq > 1
+        if wants_causal and lq == lk > 1:
+            # no mask: transformers saw no padding, and no packing when a cache is on (it then skips its
+            # packed-sequence check); positions that restart still mean packed rows
+            segment_ids = _segments(kwargs, query.shape[0], lq)  # (B, L)
+            if segment_ids is not None and not bool(segment_ids[:, -1].any()):
+                segment_ids = None  # one sequence per row: nothing to separate
     elif not isinstance(attention_mask, Tensor):
         mask = attention_mask  # packed sequences: transformers' index function (see mask_interface)
         segment_ids = _segments(kwargs, query.shape[0], lq) if lq == lk else None  # (B, L)
@@ -472,15 +464,12 @@ def attention_forward(
     if position_bias is not None:
         bias = position_bias if bias is None else bias + position_bias  # (B|1, H|1, Lq, Lk)
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))
-    extra = {
-        name: value
-        for name, value in (
-            ("softcap", kwargs.get("softcap")),
-            ("sinks", sinks),
-            ("segment_ids", segment_ids),
+    if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
+        raise ValueError(
+            f"{type(module).__name__} passes attention sinks of shape {tuple(sinks.shape)}; multihead takes one "
+            f"sink logit per query head, shape ({query.shape[1]},) (gpt-oss's s_aux); run this model with "
+            f"attn_implementation='eager'"
         )
-        if value is not None
-    }
     heads, weights = seam.attend(
         module,  # type: ignore[arg-type]
         query,
@@ -491,8 +480,10 @@ def attention_forward(
         causal=causal,
         scale=scaling,
         dropout=dropout,
+        segment_ids=segment_ids,
+        softcap=kwargs.get("softcap"),
+        sinks=sinks,
         return_weights=_weights_requested(kwargs),
-        **extra,
     )  # (B, H, Lq, D), (B, H, Lq, Lk) | None
     return heads.transpose(1, 2).contiguous(), weights  # (B, Lq, H, D)
 

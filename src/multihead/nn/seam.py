@@ -30,7 +30,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from ..core.attention import AttentionOutput, output_and_weights
+from ..core.attention import AttentionOutput, attention, output_and_weights
 
 __all__ = ["AttentionFn", "Inspector", "attend", "check_positions", "current", "inspecting", "is_sharded"]
 
@@ -89,7 +89,8 @@ def inspecting(inspector: Inspector) -> Iterator[Inspector]:
 
 
 class AttentionModule(Protocol):
-    """What :func:`attend` needs of a module: its attention function and backend choice."""
+    """What :func:`attend` reads of a module: its attention function and backend choice (a module
+    without them -- another library's -- gets :func:`multihead.attention` and ``"auto"``)."""
 
     attention_fn: AttentionFn
     backend: str
@@ -140,7 +141,8 @@ def attend(
     inspector = _active()
     want = return_weights or (inspector is not None and inspector.wants_weights)
     modern = {"segment_ids": segment_ids, "softcap": softcap, "sinks": sinks}
-    res = module.attention_fn(
+    # a module of another library (a Hugging Face attention module) carries neither: the defaults
+    res = getattr(module, "attention_fn", attention)(
         q,
         k,
         v,
@@ -151,7 +153,7 @@ def attend(
         scale=scale,
         dropout=dropout,
         return_weights=want,
-        backend=module.backend,
+        backend=getattr(module, "backend", "auto"),
         **{name: value for name, value in modern.items() if value is not None},
     )
     heads, weights = output_and_weights(res)  # (B, H, Lq, Dv), (B, H, Lq, Lk) | None

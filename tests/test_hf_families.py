@@ -45,6 +45,25 @@ SIZES = dict(
     n_routed_experts=4,
     num_experts_per_tok=2,
     moe_intermediate_size=16,
+    encoder_layers=1,
+    decoder_layers=1,
+    encoder_attention_heads=4,
+    decoder_attention_heads=4,
+    encoder_ffn_dim=37,
+    decoder_ffn_dim=37,
+    ffn_dim=37,
+    d_ff=37,
+    n_inner=37,
+    q_lora_rank=16,
+    kv_lora_rank=16,
+    qk_rope_head_dim=4,
+    qk_nope_head_dim=4,
+    v_head_dim=8,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+    shared_expert_intermediate_size=16,
     pad_token_id=0,
     bos_token_id=1,
     eos_token_id=2,
@@ -106,12 +125,20 @@ def test_modern_family_equals_eager_and_generates_the_same(family):
 # ------------------------------------------------------------------------------------------------
 
 
-def survey() -> dict[str, list[tuple[str, str]]]:
-    """Every causal-LM family of transformers, tiny, on multihead vs eager: ``{outcome: [(family, note)]}``."""
+def _record(outcomes: dict[str, list[tuple[str, str]]], kind: str, family: str, note: str) -> None:
+    outcomes.setdefault(kind, []).append((family, note))
+    print(f"{family}: {kind}: {note}", file=sys.stderr, flush=True)
+
+
+def survey(families: list[str] | None = None) -> dict[str, list[tuple[str, str]]]:
+    """Causal-LM families of transformers (default: all), tiny, on multihead vs eager.
+
+    Returns ``{outcome: [(family, note)]}``; each family's outcome is also printed to stderr as it comes.
+    """
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     outcomes: dict[str, list[tuple[str, str]]] = {}
-    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+    for model_type in families or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
         try:
             config_class = T.CONFIG_MAPPING[model_type]
             config = tiny_config(config_class)
@@ -121,35 +148,33 @@ def survey() -> dict[str, list[tuple[str, str]]]:
             if size > 3_000_000:
                 raise MemoryError(f"{size:,} parameters")
         except Exception as exc:  # noqa: BLE001 - the survey records it
-            outcomes.setdefault("no tiny eager model", []).append(
-                (model_type, f"{type(exc).__name__}: {exc}"[:80])
-            )
-            print(model_type, "no tiny model", file=sys.stderr, flush=True)
+            _record(outcomes, "no tiny eager model", model_type, f"{type(exc).__name__}: {exc}"[:80])
             continue
         try:
             err = compare(T.AutoModelForCausalLM, config)
         except ValueError as exc:
             kind = "refused by multihead" if "cannot run on multihead" in str(exc) else "error"
-            outcomes.setdefault(kind, []).append((model_type, str(exc)[:100]))
+            _record(outcomes, kind, model_type, str(exc)[:100])
             continue
         except KeyError as exc:
-            outcomes.setdefault("refused by transformers (no such implementation)", []).append(
-                (model_type, str(exc)[:60])
-            )
+            _record(outcomes, "refused by transformers (no such implementation)", model_type, str(exc)[:60])
             continue
         except Exception as exc:  # noqa: BLE001
-            outcomes.setdefault("error", []).append((model_type, f"{type(exc).__name__}: {str(exc)[:100]}"))
+            _record(outcomes, "error", model_type, f"{type(exc).__name__}: {str(exc)[:100]}")
             continue
         kind = "equal to eager (1e-5)" if err <= 1e-5 else "differs"
-        print(model_type, kind, file=sys.stderr, flush=True)
-        outcomes.setdefault(kind, []).append((model_type, f"{err:.1e}"))
+        _record(outcomes, kind, model_type, f"{err:.1e}")
     return outcomes
 
 
 if __name__ == "__main__":
     warnings.simplefilter("ignore")
     T.logging.set_verbosity_error()
-    result = survey()
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    everything = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    start, stop = (int(a) for a in sys.argv[1:3]) if len(sys.argv) > 2 else (0, len(everything))
+    result = survey(everything[start:stop])
     for kind, rows in result.items():
         print(f"{kind}: {len(rows)}")
         for family, note in rows:

@@ -80,6 +80,18 @@ def test_git_switched_to_multihead_is_refused_by_name_on_first_forward():
         viz.capture(model).__enter__()
 
 
+def test_decoder_only_eager_family_outside_automodel_is_refused_on_first_forward():
+    """TrOCR's config has no AutoModel entry: the family is found from the classes built on its config.
+    (``set_attn_implementation`` leaves TrOCR on eager -- transformers sees it cannot switch -- but
+    building it on multihead does not.)"""
+    config = T.TrOCRConfig(
+        vocab_size=V, d_model=32, decoder_layers=1, decoder_attention_heads=4, decoder_ffn_dim=37
+    )
+    model = T.AutoModelForCausalLM.from_config(config, attn_implementation=NAME).eval()
+    with pytest.raises(ValueError, match="TrOCRForCausalLM.*cannot run on multihead"):
+        model(torch.randint(3, V, (1, 4)))
+
+
 def test_git_is_refused_by_from_pretrained(tmp_path):
     T.GitForCausalLM(_git_config()).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="GitForCausalLM cannot run on multihead"):
@@ -251,3 +263,17 @@ def test_attention_modules_are_found_from_recorded_outputs():
     assert heads.head_counts(model) == {"layers.0.attention": 4}, (
         f"{VERSION}: models no longer declare their attention classes in _can_record_outputs"
     )
+
+
+def test_hugging_face_modules_get_no_attributes_from_multihead():
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(_llama_config(), attn_implementation=NAME).eval()
+    before = {name: set(vars(m)) for name, m in model.named_modules()}
+    ids = torch.randint(3, V, (1, 4))
+    with torch.no_grad():
+        with viz.capture(model) as cap:
+            model(ids)
+        with heads.masked(model, {"model.layers.0.self_attn": [1]}):
+            model(ids)
+    assert cap.names() == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert {name: set(vars(m)) for name, m in model.named_modules()} == before

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import sys
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,7 +50,7 @@ from ..nn import seam
 
 try:
     import transformers
-    from transformers import MODEL_MAPPING, AttentionInterface, PreTrainedModel
+    from transformers import AttentionInterface, PreTrainedModel
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
@@ -144,10 +144,10 @@ def unsupported(model_class: type) -> str | None:
     return None
 
 
-def _refusal(model_class: type, reason: str, part: type | None = None) -> str:
-    where = "" if part is None or part is model_class else f" (its part {part.__name__})"
+def _refusal(who: str, reason: str) -> str:
+    """The refusal message for the model(s) ``who`` (class names), for the ``reason`` of :func:`unsupported`."""
     return (
-        f"{model_class.__name__}{where} cannot run on multihead attention: {reason}, so "
+        f"{who} cannot run on multihead attention: {reason}, so "
         f"attn_implementation='multihead' would hand multihead's boolean mask to that code or bypass "
         f"multihead (a silently wrong or uninspectable model). Load it with attn_implementation='eager' "
         f"(or 'sdpa' where it supports it)"
@@ -164,7 +164,8 @@ def check_model(model: nn.Module) -> None:
         if isinstance(part, PreTrainedModel):
             reason = unsupported(type(part))
             if reason is not None:
-                raise ValueError(_refusal(type(model), reason, type(part)))
+                where = "" if part is model else f" (its part {type(part).__name__})"
+                raise ValueError(_refusal(f"{type(model).__name__}{where}", reason))
 
 
 _CONFIG_VERDICTS: dict[type, str | None] = {}  # config class -> refusal message or None (written once each)
@@ -173,8 +174,8 @@ _CONFIG_VERDICTS: dict[type, str | None] = {}  # config class -> refusal message
 def _check_config(config: Any) -> None:
     """Refuse, on the first forward, a model family that cannot run on multihead (cached per config class).
 
-    The mask and attention functions get the model's config but not the model: the family is the one
-    transformers' ``MODEL_MAPPING`` (what ``AutoModel`` builds) gives for the config's class.
+    The mask and attention functions get the model's config but not the model: the family is every
+    model class built from the config's class (``config_class``) that Python has loaded.
     """
     key = type(config)
     if key not in _CONFIG_VERDICTS:
@@ -184,27 +185,20 @@ def _check_config(config: Any) -> None:
         raise ValueError(message)
 
 
+def _subclasses(cls: type) -> Iterator[type]:
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _subclasses(sub)
+
+
 def _config_refusal(config_class: type) -> str | None:
-    if config_class not in MODEL_MAPPING:
-        return None  # a sub-configuration no Auto class builds alone: its owner model is checked
-    base = MODEL_MAPPING[config_class]
-    base = base[0] if isinstance(base, (list, tuple)) else base
-    reason = unsupported(base)
-    if reason is None:
+    family = {c for c in _subclasses(PreTrainedModel) if getattr(c, "config_class", None) is config_class}
+    refused = {c.__name__: unsupported(c) for c in family if not c.__name__.endswith("PreTrainedModel")}
+    refused = {name: reason for name, reason in refused.items() if reason is not None}
+    if not refused:
         return None
-    family = sorted(
-        name
-        for name, obj in vars(sys.modules[base.__module__]).items()
-        if isinstance(obj, type)
-        and issubclass(obj, PreTrainedModel)
-        and getattr(obj, "config_class", None) is config_class
-        and not name.endswith("PreTrainedModel")
-    )
-    return _refusal(base, reason).replace(
-        f"{base.__name__} cannot",
-        f"{' / '.join(family) or base.__name__} (models of {config_class.__name__}) cannot",
-        1,
-    )
+    names = sorted(refused)
+    return _refusal(f"{' / '.join(names)} (the models of {config_class.__name__})", refused[names[0]])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -782,7 +776,7 @@ def from_pretrained(model_class: Any, path: str | Path, **kwargs: Any) -> nn.Mod
     if is_registered(kwargs.get("attn_implementation")):
         reason = unsupported(base)
         if reason is not None:
-            raise ValueError(_refusal(base, reason))
+            raise ValueError(_refusal(base.__name__, reason))
     if not layout:
         return model_class.from_pretrained(path, **kwargs)
     model = _pruned_class(base, layout).from_pretrained(path, **kwargs)

@@ -420,21 +420,11 @@ def test_prune_every_head_and_unsupported_architecture_are_clear_errors():
         heads.prune(other, {"layers.0.attention": [1]})
 
 
-def test_softcap_is_refused():
-    cfg = T.Gemma2Config(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=37,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=32,
-        attn_logit_softcapping=50.0,
-    )
-    model = T.AutoModel.from_config(cfg, attn_implementation=NAME)
-    with pytest.raises(ValueError, match="softcap=50.0.*eager"):
-        model(torch.randint(3, V, (1, 4)))
+def test_attention_sinks_of_another_shape_are_refused():
+    """multihead takes one sink logit per head (gpt-oss's ``s_aux``); other layouts are refused by shape."""
+    q, k, v = (torch.randn(1, 2, 3, 4) for _ in range(3))
+    with pytest.raises(ValueError, match=r"sinks of shape \(1, 2, 3, 1\).*shape \(2,\).*eager"):
+        mhtf.attention_forward(_Module(), q, k, v, None, sinks=torch.zeros(1, 2, 3, 1))
 
 
 def test_import_multihead_does_not_import_transformers():
@@ -486,16 +476,15 @@ def test_attention_forward_without_a_mask(lq, lk, kwargs, allowed):
     torch.testing.assert_close(w, want.weights, rtol=0, atol=1e-6)
 
 
-def test_attention_forward_position_bias_and_refusals():
+def test_attention_forward_position_bias_softcap_and_sinks():
     import multihead as mh
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 3, 4, generator=g) for _ in range(3))
     bias = torch.randn(1, 2, 3, 3, generator=g)
+    sinks = torch.randn(2, generator=g)
     mask = torch.tensor([[True, True, False]]).expand(3, 3)[None, None]  # (1, 1, Lq, Lk)
-    out, w = mhtf.attention_forward(_Module(), q, k, v, mask, position_bias=bias)
+    out, w = mhtf.attention_forward(_Module(), q, k, v, mask, position_bias=bias, softcap=0.7, s_aux=sinks)
     assert w is None  # weights only when asked
-    want = mh.attention_reference(q, k, v, mask=mask, bias=bias)
+    want = mh.attention_reference(q, k, v, mask=mask, bias=bias, softcap=0.7, sinks=sinks)
     torch.testing.assert_close(out.transpose(1, 2), want, rtol=0, atol=1e-6)
-    with pytest.raises(ValueError, match="s_aux"):
-        mhtf.attention_forward(_Module(), q, k, v, mask, s_aux=torch.zeros(2))

@@ -43,7 +43,7 @@ from typing import Protocol
 
 from torch import Tensor, nn
 
-from ..core.attention import AttentionOutput, output_and_weights
+from ..core.attention import AttentionOutput, attention, output_and_weights
 
 __all__ = [
     "AttentionFn",
@@ -134,7 +134,8 @@ def inspecting(inspector: Inspector) -> Iterator[Inspector]:
 
 
 class AttentionModule(Protocol):
-    """What :func:`attend` needs of a module: its attention function and backend choice."""
+    """What :func:`attend` reads of a module: its attention function and backend choice (a module
+    without them -- another library's -- gets :func:`multihead.attention` and ``"auto"``)."""
 
     attention_fn: AttentionFn
     backend: str
@@ -185,7 +186,8 @@ def attend(
     inspectors = _stack()  # outermost first; () in the normal case
     want = return_weights or _wants_weights(inspectors)
     modern = {"segment_ids": segment_ids, "softcap": softcap, "sinks": sinks}
-    res = module.attention_fn(
+    # a module of another library (a Hugging Face attention module) carries neither: the defaults
+    res = getattr(module, "attention_fn", attention)(
         q,
         k,
         v,
@@ -196,7 +198,7 @@ def attend(
         scale=scale,
         dropout=dropout,
         return_weights=want,
-        backend=module.backend,
+        backend=getattr(module, "backend", "auto"),
         **{name: value for name, value in modern.items() if value is not None},
     )
     heads, weights = output_and_weights(res)  # (B, H, Lq, Dv), (B, H, Lq, Lk) | None

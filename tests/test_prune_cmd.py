@@ -212,12 +212,6 @@ def test_minilm_end_to_end(minilm_pruned):
     assert q == pytest.approx(saved["quality"]["after_recovery"], abs=1e-5)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="INTEGRATION: from_pretrained resizes only models whose module names equal the saved layout's; "
-    "a BertModel's 'encoder.layer.0.attention.self' is 'bert.encoder.layer.0.attention.self' in "
-    "BertForSequenceClassification (needs base_model_prefix-aware names in integrations/transformers.py)",
-)
 def test_pruned_encoder_loads_into_the_task_class(minilm_pruned):
     _, out = minilm_pruned
     base = _reload(out, T.AutoModel).eval()

@@ -276,3 +276,12 @@ def test_window_contender_passes_a_mask_function():
     q, k, v = (torch.randn(1, 4, 24, 8) for _ in range(3))
     want = mh.attention_reference(q, k, v, mask=mh.masks.sliding_window(24, window=5))
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("suite", [cpu_suite, cuda_suite], ids=["cpu", "cuda"])
+def test_every_target_names_a_run_of_its_case(suite):
+    for case in suite(False).cases:
+        labels = {r.label for r in case.runs}
+        contenders = {r.contender for r in case.runs}
+        for t in case.targets:
+            assert t.peer is None or t.peer in labels or t.peer in contenders, (case.name, t)

@@ -39,9 +39,33 @@ require("keras", ("keras",), "multihead.compat.keras")
 
 import keras  # noqa: E402
 from keras import ops  # noqa: E402
-from keras.src.backend import get_keras_mask, set_keras_mask  # noqa: E402 -- what Keras's own layer uses for masks
 
 __all__ = ["MultiHeadAttention"]
+
+
+# ----------------------------------------------------------------------------------------------
+# The one use of Keras internals. A tensor's Keras mask (what ``Embedding(mask_zero=True)`` attaches and
+# Keras's own MultiHeadAttention reads as ``query_mask`` and sets on its output) has no public getter or
+# setter in Keras 3; everything else in this module is public API (keras.ops, keras.layers, keras.backend,
+# keras.config, keras.saving). tests/test_compat_keras.py checks this adapter against Embedding's public
+# behaviour and names the Keras version when it breaks.
+# ----------------------------------------------------------------------------------------------
+
+
+def _keras_masking() -> tuple[Any, Any]:
+    """Keras's ``(get_keras_mask, set_keras_mask)``; an ImportError naming the Keras version if gone."""
+    try:
+        from keras.src.backend import get_keras_mask, set_keras_mask
+    except ImportError as e:  # pragma: no cover - only on a Keras that moved them
+        raise ImportError(
+            f"multihead.compat.keras reads and sets Keras masks with keras.src.backend.get_keras_mask / "
+            f"set_keras_mask (no public API exists), which Keras {keras.version()} does not have; install a "
+            f"Keras 3 release that has them (3.6 or later) and report this at the multihead issue tracker"
+        ) from e
+    return get_keras_mask, set_keras_mask
+
+
+get_keras_mask, set_keras_mask = _keras_masking()
 
 #: ``implementation=`` values: "auto" = multihead.attention on the torch backend, Keras's einsum math
 #: elsewhere; "einsum" = Keras's einsum math on every backend
@@ -53,6 +77,11 @@ def _invalid(name: str, value: Any, expected: str) -> ValueError:
     return ValueError(
         f"Received an invalid value for argument `{name}`, expected {expected}. Received: {name}={value!r}"
     )
+
+
+def _keras_says(keras_text: str, ours: str) -> ValueError:
+    """Keras's own message (what code and tests written against Keras match on), then the library's guidance."""
+    return ValueError(f"{keras_text} {ours}")
 
 
 def _is_positive_int(value: Any) -> bool:
@@ -81,8 +110,11 @@ def _check_args(
     if output_shape is not None:
         dims = (output_shape,) if isinstance(output_shape, int) else output_shape
         if not isinstance(dims, (list, tuple)) or not dims or not all(_is_positive_int(d) for d in dims):
-            raise _invalid(
-                "output_shape", output_shape, "`None`, a positive integer or a non-empty tuple of them"
+            raise _keras_says(
+                f"Invalid `output_shape`: {output_shape}. When specified, the `output_shape` should be of "
+                f"type tuple, list, or int.",
+                f"It must be `None`, a positive integer or a non-empty tuple of them (the output's feature "
+                f"axes). Received: output_shape={output_shape!r}",
             )
     if attention_axes is not None:
         axes = (attention_axes,) if isinstance(attention_axes, int) else attention_axes
@@ -91,9 +123,15 @@ def _check_args(
             or not axes
             or not all(isinstance(a, int) and not isinstance(a, bool) for a in axes)
         ):
-            raise _invalid("attention_axes", attention_axes, "`None`, an int or a non-empty tuple of ints")
+            raise _keras_says(
+                f"`attention_axes` must be an int, list, or tuple.Received: attention_axes={attention_axes}",
+                "Pass `None` (every axis between batch and features), an int or a non-empty tuple of ints.",
+            )
     if sliding_window is not None and not _is_positive_int(sliding_window):
-        raise _invalid("sliding_window", sliding_window, "`None` or a positive integer")
+        raise _keras_says(
+            f"`sliding_window` must be `None` or a positive integer. Received: sliding_window={sliding_window}",
+            "It is the number of positions each query sees on either side of itself, at least 1.",
+        )
     if implementation not in IMPLEMENTATIONS:
         raise _invalid("implementation", implementation, f"one of {IMPLEMENTATIONS}")
 
@@ -110,26 +148,28 @@ def _check_shapes(
     on every axis but the last, ``query`` and ``value`` equal on every axis that is not an attention axis
     (nor the feature axis). Unknown (None) sizes match anything.
     """
+
+    def agree(a: int | None, b: int | None) -> bool:
+        return a is None or b is None or a == b
+
+    if len(value_shape) != len(key_shape) or not all(
+        agree(a, b) for a, b in zip(value_shape[:-1], key_shape[:-1])
+    ):
+        raise _keras_says(
+            f"All dimensions of `value` and `key`, except the last one, must be equal. Received: "
+            f"value_shape={tuple(value_shape)} and key_shape={tuple(key_shape)}",
+            "key defaults to value; pass key=None, or a key with value's batch and length axes.",
+        )
     rank = len(query_shape)
     if rank < 3:
         raise ValueError(
             f"query must be at least (B, T, E): a batch, an attention and a feature axis; got "
             f"query_shape={tuple(query_shape)}. Add a length axis, e.g. x[:, None, :]"
         )
-    for name, shape in (("value", value_shape), ("key", key_shape)):
-        if len(shape) != rank:
-            raise ValueError(
-                f"{name} must have the query's rank {rank}, got {name}_shape={tuple(shape)} for "
-                f"query_shape={tuple(query_shape)}"
-            )
-
-    def agree(a: int | None, b: int | None) -> bool:
-        return a is None or b is None or a == b
-
-    if not all(agree(a, b) for a, b in zip(value_shape[:-1], key_shape[:-1])):
+    if len(value_shape) != rank:
         raise ValueError(
-            f"value and key must be equal on every axis but the last, got value_shape={tuple(value_shape)} "
-            f"and key_shape={tuple(key_shape)}"
+            f"value must have the query's rank {rank}, got value_shape={tuple(value_shape)} for "
+            f"query_shape={tuple(query_shape)}"
         )
     raw = tuple(range(1, rank - 1)) if attention_axes is None else tuple(attention_axes)
     axes = tuple(a + rank if a < 0 else a for a in raw)  # negative axes count from the query's end
@@ -294,9 +334,11 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
 
     def _check_flash(self, return_attention_scores: bool) -> None:
         if self._flash_attention and return_attention_scores:
-            raise ValueError(
-                "return_attention_scores=True cannot be combined with flash_attention=True: flash kernels "
-                "never form the scores. Construct the layer with flash_attention=False to get them."
+            raise _keras_says(
+                "Returning attention scores is not supported when flash attention is enabled. Please disable "
+                "flash attention to access attention scores.",
+                "Flash kernels never form the scores: construct the layer with flash_attention=False (and "
+                "call keras.config.disable_flash_attention() if it is enabled globally).",
             )
 
     def call(

@@ -54,8 +54,8 @@ test: lint smoke
 # newest transformers on the index (resolved against the floor torch, upgraded on every run; its floor is
 # requirements-dev.txt's pin, which `make test` runs). It runs the whole suite except what needs TensorFlow
 # or JAX (the Keras tests on those backends, the TensorFlow seeds: not installed here; the torch backend's
-# Keras tests do run) and the wheel smoke test (both in `make test`). Cost: old torch wheels carry their
-# CUDA libraries: about 5.6 GB on disk and 2.5 GB to download; README.md gives the measured seconds.
+# Keras tests do run) and the wheel smoke test (both in `make test`). It prints its install and test
+# seconds; README.md ("Tested versions") says what older torch costs and why the floor is where it is.
 FLOOR_VENV := .venv-floor
 FLOOR_PY := $(FLOOR_VENV)/bin/python
 FLOOR_STAMP := $(FLOOR_VENV)/.installed-stamp

@@ -75,10 +75,10 @@ $(FLOOR_STAMP): pyproject.toml requirements-floor.txt
 
 test-floor: $(FLOOR_STAMP)
 	$(FLOOR_PY) $(PIP) --upgrade -r requirements-floor.txt transformers
-	@$(FLOOR_PY) -c "import torch, keras, transformers as t; print('floor job: torch', torch.__version__, \
+	@KERAS_BACKEND=torch $(FLOOR_PY) -c "import torch, keras, transformers as t; print('floor job: torch', torch.__version__, \
 	  '| keras', keras.__version__, '| transformers', t.__version__)"
 	@start=$$(date +%s); \
-	$(FLOOR_PY) -m pytest -q -n 2 -p no:cacheprovider --durations=5 $(FLOOR_SKIP); \
+	KERAS_BACKEND=torch $(FLOOR_PY) -m pytest -q -n 2 -p no:cacheprovider --durations=5 $(FLOOR_SKIP); \
 	status=$$?; echo "floor suite: $$(( $$(date +%s) - start )) s"; exit $$status
 
 bench: $(STAMP)

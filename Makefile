@@ -1,6 +1,9 @@
 # Two commands do everything on a fresh machine:
 #   make demo   create .venv, install, run the end-to-end demo
 #   make test   create .venv, install, lint, smoke-test the built wheel, run the test suite
+# and CI (.ci/run) runs one more:
+#   make test-floor   the suite on the OLDEST torch and Keras that pyproject.toml allows, and the newest
+#                     transformers release on the package index (README.md, "Tested versions")
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -11,7 +14,7 @@ PIP := -m pip install -q --disable-pip-version-check
 SMOKE := build/smoke
 TORCH_PIN := $(shell grep -E '^torch==' requirements-dev.txt)
 
-.PHONY: venv demo test lint wheel smoke bench clean browser
+.PHONY: venv demo test lint wheel smoke bench clean browser test-floor
 
 venv: $(STAMP)
 
@@ -54,8 +57,42 @@ browser:
 test: lint smoke browser
 	$(PY) -m pytest -q -n 2 --durations=10
 
+# The floor job. Its own venv, .venv-floor: torch and Keras at pyproject's floors (requirements-floor.txt pins
+# them and the rest as requirements-dev.txt does; tests/test_package.py checks the floors agree), plus the
+# newest transformers on the index (resolved against the floor torch, upgraded on every run; its floor is
+# requirements-dev.txt's pin, which `make test` runs). It runs the whole suite except what needs TensorFlow
+# or JAX (the Keras tests on those backends, the TensorFlow seeds: not installed here; the torch backend's
+# Keras tests do run) and the wheel smoke test (both in `make test`). It prints its install and test
+# seconds; README.md ("Tested versions") says what older torch costs and why the floor is where it is.
+FLOOR_VENV := .venv-floor
+FLOOR_PY := $(FLOOR_VENV)/bin/python
+FLOOR_STAMP := $(FLOOR_VENV)/.installed-stamp
+FLOOR_SKIP := --ignore=tests/test_seeds_keras.py \
+  --deselect "tests/test_compat_keras_env.py::test_keras_tests_pass_on_the_other_backends[tensorflow]" \
+  --deselect "tests/test_compat_keras_env.py::test_keras_tests_pass_on_the_other_backends[jax]" \
+  --deselect tests/test_compat_keras_env.py::test_keras_layer_imports_and_runs_without_torch_on_jax \
+  --deselect "tests/test_keras_upstream.py::test_keras_own_mha_tests_pass_on_our_layer[tensorflow]" \
+  --deselect "tests/test_keras_upstream.py::test_keras_own_mha_tests_pass_on_our_layer[jax]"
+
+# torch is pinned in requirements-floor.txt, and transformers resolves in the same command, so it cannot move torch
+$(FLOOR_STAMP): pyproject.toml requirements-floor.txt
+	@start=$$(date +%s); \
+	( test -x $(FLOOR_PY) || $(PYTHON) -m venv $(FLOOR_VENV) ) && \
+	$(FLOOR_PY) $(PIP) -r requirements-floor.txt transformers && \
+	$(FLOOR_PY) $(PIP) --no-build-isolation --no-deps -e . && \
+	echo "floor venv: $$(( $$(date +%s) - start )) s to install, $$(du -sh $(FLOOR_VENV) | cut -f1) on disk"
+	touch $(FLOOR_STAMP)
+
+test-floor: $(FLOOR_STAMP)
+	$(FLOOR_PY) $(PIP) --upgrade -r requirements-floor.txt transformers
+	@KERAS_BACKEND=torch $(FLOOR_PY) -c "import torch, keras, transformers as t; print('floor job: torch', torch.__version__, \
+	  '| keras', keras.__version__, '| transformers', t.__version__)"
+	@start=$$(date +%s); \
+	KERAS_BACKEND=torch $(FLOOR_PY) -m pytest -q -n 2 -p no:cacheprovider --durations=5 $(FLOOR_SKIP); \
+	status=$$?; echo "floor suite: $$(( $$(date +%s) - start )) s"; exit $$status
+
 bench: $(STAMP)
 	$(VENV)/bin/multihead bench
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis build dist
+	rm -rf $(VENV) $(FLOOR_VENV) .pytest_cache .ruff_cache .hypothesis build dist

@@ -64,6 +64,41 @@ def test_requirements_dev_pins_exactly_the_dev_extra_and_torch():
     assert {name_of(p) for p in pins} == extra_names("dev") | {"torch"}
 
 
+def _pins(name: str) -> dict[str, str]:
+    """A requirements file's ``name==version`` lines as {normalised name: version}."""
+    lines = [ln.split("#")[0].strip() for ln in (ROOT / name).read_text().splitlines()]
+    pins = [ln for ln in lines if ln]
+    assert all(re.fullmatch(r"[A-Za-z0-9._-]+==[\w.+]+", p) for p in pins), f"{name}: pin every line with =="
+    return {name_of(p): p.split("==")[1] for p in pins}
+
+
+def _floor(requirement: str) -> str:
+    """``"keras>=3.8"`` -> ``"3.8"``: the one lower bound a declared dependency has."""
+    bound = re.fullmatch(r"[A-Za-z0-9._-]+>=([\w.]+)", requirement)
+    assert bound, f"{requirement!r}: declare a floor as NAME>=VERSION"
+    return bound.group(1)
+
+
+def test_the_floor_job_pins_pyprojects_floors_and_otherwise_the_dev_pins():
+    """requirements-floor.txt (``make test-floor``) installs torch and Keras at exactly the oldest release
+    pyproject allows (so a floor is a version the suite has passed on), the rest as requirements-dev.txt."""
+    floor, dev = _pins("requirements-floor.txt"), _pins("requirements-dev.txt")
+    (torch_req,) = PROJECT["dependencies"]
+    (keras_req,) = PROJECT["optional-dependencies"]["keras"]
+    for name, req in (("torch", torch_req), ("keras", keras_req)):
+        oldest = _floor(req) + ".0" * (2 - _floor(req).count("."))  # "3.15" -> "3.15.0"; "2.7.1" stays
+        assert floor[name] == oldest, f"{name}: pyproject says {req!r}, the floor job pins {floor[name]}"
+    # transformers: the floor job installs the newest release; its floor is the dev pin (`make test`)
+    (hf_req,) = PROJECT["optional-dependencies"]["transformers"]
+    assert "transformers" not in floor and dev["transformers"] == _floor(hf_req) + ".0"
+    # the rest exactly as pinned for development, less what the floor job does not run (lint, TF, JAX)
+    assert {n: v for n, v in floor.items() if n not in ("torch", "keras")} == {
+        n: v
+        for n, v in dev.items()
+        if n not in ("torch", "keras", "transformers", "ruff", "tensorflow-cpu", "jax", "jaxlib")
+    }
+
+
 IMPORT_CHECK = """\
 import sys
 import multihead, multihead.core, multihead.nn, multihead.transformer, multihead.heads, multihead.viz

@@ -59,6 +59,27 @@ class FlashOps(NamedTuple):
     backward: Callable[..., tuple[Tensor, Tensor, Tensor]]
 
 
+# The fused CPU kernel takes grouped K/V (Hkv < H) only from torch 2.9 (pytorch PR 157893); before that it
+# reads past K/V's heads (NaN, heap corruption: seen on 2.5.1, 2.6.0, 2.7.1), so there K/V go in repeated.
+_FLASH_TAKES_GROUPS = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 9)
+
+
+def _flash_kv(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """K/V as the fused kernel of this torch takes them: as they are, or repeated to H heads (B, H, m, D*)."""
+    g = q.shape[1] // k.shape[1]
+    if _FLASH_TAKES_GROUPS or g == 1:
+        return k, v
+    return k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # (B, H, m, Dk), (B, H, m, Dv)
+
+
+def _fold_groups(d: Tensor, hkv: int) -> Tensor:
+    """A gradient over repeated K/V heads (B, H, m, D) summed back to the Hkv heads: (B, Hkv, m, D)."""
+    b, h, m, dim = d.shape
+    return (
+        d if h == hkv else d.view(b, hkv, h // hkv, m, dim).sum(dim=2)
+    )  # (B, Hkv, G, m, D) -> (B, Hkv, m, D)
+
+
 def flash_ops() -> FlashOps | None:
     """The fused CPU forward/backward ops of this torch, or None where it has none."""
     fwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -206,7 +227,10 @@ def block_forward(x: BlockInputs, blk: Block, scale: float, kernel: str) -> Soft
         ops = flash_ops()
         assert ops is not None, "choose_kernel picks 'flash' only where the ops exist"
         bias, sees = _flash_bias(blk, q.dtype)
-        out, lse = ops.forward(q, k, v, 0.0, blk.triangle, attn_mask=bias, scale=scale)  # (B,H,n,Dv), (B,H,n)
+        kf, vf = _flash_kv(q, k, v)
+        out, lse = ops.forward(
+            q, kf, vf, 0.0, blk.triangle, attn_mask=bias, scale=scale
+        )  # (B,H,n,Dv), (B,H,n)
         if sees is not None:  # rows with no visible key: output 0, no mass
             out.masked_fill_(~sees, 0.0)
             lse.masked_fill_(~sees[..., 0], float("-inf"))
@@ -257,8 +281,9 @@ def block_backward(
         ops = flash_ops()
         assert ops is not None, "choose_kernel picks 'flash' only where the ops exist"
         bias, _ = _flash_bias(blk, q.dtype)
-        dq, dk, dv = ops.backward(do, q, k, v, out, lse, 0.0, blk.triangle, attn_mask=bias, scale=scale)
-        return Grads(dq, dk, dv)
+        kf, vf = _flash_kv(q, k, v)
+        dq, dk, dv = ops.backward(do, q, kf, vf, out, lse, 0.0, blk.triangle, attn_mask=bias, scale=scale)
+        return Grads(dq, _fold_groups(dk, k.shape[1]), _fold_groups(dv, k.shape[1]))
     h, hkv = q.shape[1], k.shape[1]
     qg, dog, og = (group_queries(t, hkv) for t in (q, do, out))  # (B, Hkv, G*n, D*)
     lse_g = group_queries(lse[..., None], hkv)  # (B, Hkv, G*n, 1)

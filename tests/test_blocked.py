@@ -17,7 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import multihead as mh
-from multihead.core import backends
+from multihead.core import backends, masks
 from multihead.core.backends.base import AttentionCall
 from multihead.core.backends.blocked import PROBE, BlockedBackend, packed_runs
 from multihead.core.masks import Normalized
@@ -445,3 +445,73 @@ def test_auto_picks_blocked_where_a_dense_grid_would_be_too_big():
     assert next(n for n in backends.AUTO_ORDER if not why[n]) == "blocked"
     why = mh.core.explain_backends(q, k, v, softcap=5.0)  # dense with softcap: sdpa cannot, blocked can
     assert next(n for n in backends.AUTO_ORDER if not why[n]) == "blocked"
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        masks.sliding_window_fn(7),
+        masks.sliding_window_fn(5, causal=False, lq=40, lk=48),
+        masks.chunked_fn(16, lq=40, lk=48) | masks.sliding_window_fn(3, lq=40, lk=48),
+        masks.causal_fn(40, 48) & masks.prefix_lm_fn(torch.tensor([5, 30]), lq=40, lk=48),
+    ],
+    ids=["window", "window-both-sides", "chunked-or-window", "causal-and-prefix"],
+)
+def test_key_ranges_skip_tiles_and_keep_the_output(fn):
+    """With a library mask function the tiled path evaluates it only inside its key range, and the
+    output still equals the reference."""
+    evaluated = []
+
+    def spy(b, h, q_idx, kv_idx):
+        evaluated.append((int(q_idx.min()), int(q_idx.max()) + 1, int(kv_idx.min()), int(kv_idx.max()) + 1))
+        return fn(b, h, q_idx, kv_idx)
+
+    spied = masks.MaskFunction(spy, bound=fn.bound)
+    q, k, v = _qkv(2, 4, 2, 40, 48, 8, torch.float64)
+    got = _run(SMALL, q, k, v, mask_fn=spied)
+    want = mh.attention_reference(q, k, v, mask=fn)
+    assert torch.allclose(got, want, atol=1e-12)
+    for q0, q1, k0, k1 in evaluated:  # every probe inside its block's key range
+        lo, hi = fn.key_range(q0, q1)
+        assert lo <= k0 and k1 <= hi, ((q0, q1, k0, k1), (lo, hi))
+    assert evaluated  # the function was consulted
+
+
+def test_a_window_function_is_evaluated_only_near_its_band():
+    """sliding_window_fn at L=512, W=32: the mask function is evaluated on about n * (W + block) pairs,
+    not the n*n/2 below the diagonal that a plain lambda costs."""
+    n, w, blk = 512, 32, 64
+    fn = masks.sliding_window_fn(w)
+    evaluated = []
+
+    def spy(b, h, q_idx, kv_idx):
+        evaluated.append((int(q_idx.min()), int(q_idx.max()), int(kv_idx.min()), int(kv_idx.max())))
+        return fn(b, h, q_idx, kv_idx)
+
+    q, k, v = _qkv(1, 2, 2, n, n, 8)
+    _run(BlockedBackend(block_q=blk, span_k=128), q, k, v, mask_fn=masks.MaskFunction(spy, bound=fn.bound),
+         causal=True)  # fmt: skip
+    pairs = sum((q1 - q0 + 1) * (k1 - k0 + 1) for q0, q1, k0, k1 in evaluated)
+    assert pairs <= n * (w + blk)
+    assert all(q0 - k0 < w + blk and k1 <= q1 for q0, q1, k0, k1 in evaluated)
+
+
+def test_auto_sends_small_packed_cpu_batches_to_blocked():
+    """Padding-free packing (16 x 8 tokens in one row) is under the dense limit, yet auto routes it to
+    blocked's per-sequence path (sdpa defers: it would score every pair of the row); backend='sdpa'
+    still serves it, and both equal the reference."""
+    ids = _packed([8] * 16)  # (1, 128)
+    q, k, v = _qkv(1, 4, 2, 128, 128, 8, torch.float64)
+    call = AttentionCall(q, k, v, mh.masks.normalize((1, 4, 128, 128), segment_ids=ids, causal=True),
+                         8**-0.5, 0.0, False)  # fmt: skip
+    assert backends.select(call).name == "blocked"
+    assert "packed segment ids on CPU" in backends.get("sdpa").defers(call)
+    want = mh.attention_reference(q, k, v, segment_ids=ids, causal=True)
+    for name in ("auto", "sdpa"):
+        got = mh.attention(q, k, v, segment_ids=ids, causal=True, backend=name)
+        assert torch.allclose(got, want, atol=1e-12)
+    unpacked = torch.tensor([[0, 1] * 64])  # ids interleaved: not the packed layout, sdpa keeps it
+    call = AttentionCall(
+        q, k, v, mh.masks.normalize((1, 4, 128, 128), segment_ids=unpacked), 8**-0.5, 0.0, False
+    )
+    assert backends.select(call).name == "sdpa"

@@ -312,3 +312,68 @@ def test_blocks_tile_the_materialized_grid():
             torch.testing.assert_close(bias.expand_as(want_bias), want_bias)
     dense = masks.materialize(norm, (B, H, LQ, LK), torch.float64)
     assert dense.row_ok is not None and not dense.row_ok[1].any()  # valid_lens 0: batch row 1 is dead
+
+
+# ----------------------------------------------------------------------------------------------
+# Key ranges: a structural bound outside which a library mask function is surely False
+# ----------------------------------------------------------------------------------------------
+
+
+def _bounded(kind, size, causal, lq, lk):
+    """A library mask function of ``kind`` aligned to (lq, lk)."""
+    if kind == "causal":
+        return masks.causal_fn(lq, lk)
+    if kind == "window":
+        return masks.sliding_window_fn(size, causal=causal, lq=lq, lk=lk)
+    if kind == "chunked":
+        return masks.chunked_fn(size, causal=causal, lq=lq, lk=lk)
+    return masks.prefix_lm_fn(torch.tensor([size, size // 2]), lq=lq, lk=lk)
+
+
+KINDS = st.sampled_from(["causal", "window", "chunked", "prefix"])
+
+
+def _assert_sound(fn, lq, lk, q0, q1):
+    """Every key that some query of q0:q1 may see lies inside fn's key range for that block."""
+    allowed = _dense(fn, lq, lk)[:, :, q0:q1].reshape(-1, lk).any(0)  # (Lk,) some query sees key j
+    k0, k1 = fn.key_range(q0, q1)
+    seen = allowed.nonzero().flatten().tolist()
+    assert all(k0 <= j < k1 for j in seen), (fn, q0, q1, (k0, k1), seen)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    kinds=st.lists(KINDS, min_size=1, max_size=3),
+    ops=st.lists(st.sampled_from(["&", "|"]), min_size=2, max_size=2),
+    size=st.integers(1, 9),
+    causal=st.booleans(),
+    lq=st.integers(1, 24),
+    lk=st.integers(1, 24),
+    cut=st.tuples(st.integers(0, 23), st.integers(1, 8)),
+)
+def test_key_ranges_are_sound_and_compose(kinds, ops, size, causal, lq, lk, cut):
+    """Soundness: the dense evaluation has no True outside the bound, for one function and for & / |
+    compositions (intersection / hull); the complement has no bound."""
+    q0 = min(cut[0], lq - 1)
+    q1 = min(lq, q0 + cut[1])
+    fns = [_bounded(kind, size + i, causal, lq, lk) for i, kind in enumerate(kinds)]
+    fn = fns[0]
+    for op, other in zip(ops, fns[1:], strict=False):
+        fn = fn & other if op == "&" else fn | other
+    for f in (*fns, fn):
+        _assert_sound(f, lq, lk, q0, q1)
+    assert (~fn).key_range(q0, q1) is None
+
+
+def test_key_ranges_of_plain_functions_are_unknown():
+    lam = masks.MaskFunction(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)
+    assert lam.key_range(0, 4) is None
+    assert (lam | masks.causal_fn()).key_range(0, 4) is None  # a hull needs every part's range
+    assert (lam & masks.sliding_window_fn(3)).key_range(8, 12) == (6, 12)  # AND: the known part bounds it
+
+
+def test_key_ranges_are_tight_for_a_window():
+    """Not only sound: a causal window's range is exactly the keys its block sees (tiles are skipped)."""
+    assert masks.sliding_window_fn(4).key_range(10, 14) == (7, 14)
+    assert masks.sliding_window_fn(4, lq=4, lk=20).key_range(0, 4) == (13, 20)
+    assert masks.chunked_fn(4).key_range(5, 7) == (4, 7)

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..core.attention import attention
+from ..core.masks import sliding_window_fn
 from ..nn.attention import MultiHeadAttention, merge_heads, split_heads
 from ..nn.cache import KVCache
 from .cases import Case
@@ -227,15 +228,19 @@ def _keras_module(case: Case, device: torch.device) -> Step:
 # ----------------------------------------------------------------------------------------------
 
 
-def window_function(w: int) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
-    """A sliding window as a mask function: query i sees keys j > i - w (causal=True adds j <= i)."""
+def window_function(w: int, form: str = "lambda") -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
+    """A causal sliding window of ``w`` keys as a mask function: ``"library"`` is what users write with
+    the library (:func:`multihead.masks.sliding_window_fn`, with a key range), ``"lambda"`` a plain
+    function of the same rule, query i sees keys j > i - w (causal=True adds j <= i), with none."""
+    if form == "library":
+        return sliding_window_fn(w)
     return lambda b, h, q_idx, kv_idx: q_idx - kv_idx < w
 
 
 def _ours_attention(case: Case, device: torch.device) -> Step:
     q, k, v = _qkv(case, device)
     if case.window:  # a mask function: the call's cost follows the window, not L*L
-        fn = window_function(case.window)
+        fn = window_function(case.window, case.window_form)
         return _step(lambda: attention(q, k, v, mask=fn, causal=case.causal), case, [q, k, v])  # type: ignore[arg-type]
     return _step(lambda: attention(q, k, v, causal=case.causal), case, [q, k, v])
 

@@ -34,6 +34,7 @@ __all__ = [
     "BiasFn",
     "BiasFunction",
     "MaskFn",
+    "KeyBound",
     "MaskFunction",
     "Normalized",
     "alibi_fn",
@@ -185,6 +186,10 @@ tensors; written with elementwise tensor operations it is also a valid FlexAtten
 BiasFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 """``fn(b, h, q_idx, kv_idx) -> float tensor`` added to the scores (ALiBi, relative positions)."""
 
+KeyBound = Callable[[int, int], "tuple[int, int] | None"]
+"""``bound(q0, q1) -> (k0, k1)``: for queries ``q0:q1``, the keys ``k0:k1`` outside which a mask function
+is surely False (a structural hint that lets a backend skip tiles without evaluating them)."""
+
 
 # ----------------------------------------------------------------------------------------------
 # Masks and biases as functions of (b, h, q_idx, kv_idx)
@@ -230,13 +235,20 @@ class MaskFunction:
         0 0 1 1
     """
 
-    def __init__(self, fn: MaskFn, name: str | None = None) -> None:
+    def __init__(self, fn: MaskFn, name: str | None = None, bound: KeyBound | None = None) -> None:
         _check_callable(fn, "mask")
         self.fn = fn
         self.name = name or _fn_name(fn)
+        self.bound = bound
 
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return self.fn(b, h, q_idx, kv_idx)
+
+    def key_range(self, q0: int, q1: int) -> tuple[int, int] | None:
+        """For the queries ``q0:q1``: keys ``[k0, k1)`` outside which this mask is surely False (the
+        bounds may exceed ``[0, Lk)``; ``k1 <= k0`` means no key), or ``None`` when unknown (a plain
+        function, ``~``). A block-skipping backend evaluates the function only inside this range."""
+        return None if self.bound is None else self.bound(q0, q1)
 
     def __and__(self, other: MaskFn) -> MaskFunction:
         return and_masks(self, other)
@@ -251,7 +263,7 @@ class MaskFunction:
         return or_masks(other, self)
 
     def __invert__(self) -> MaskFunction:
-        fn = self.fn
+        fn = self.fn  # the complement of a bounded mask is unbounded: no key range
         return MaskFunction(lambda b, h, q_idx, kv_idx: ~fn(b, h, q_idx, kv_idx), f"~{self.name}")
 
     def __repr__(self) -> str:
@@ -300,7 +312,14 @@ def and_masks(*fns: MaskFn) -> MaskFunction:
             out = out & fn(b, h, q_idx, kv_idx)
         return out
 
-    return MaskFunction(both, " & ".join(_fn_name(f) for f in fns) if len(fns) > 1 else _fn_name(fns[0]))
+    bounds = [f.key_range for f in fns if isinstance(f, MaskFunction) and f.bound is not None]
+
+    def meet(q0: int, q1: int) -> tuple[int, int] | None:  # AND: keys inside every known range
+        ranges = [r for r in (key_range(q0, q1) for key_range in bounds) if r is not None]
+        return (max(r[0] for r in ranges), min(r[1] for r in ranges)) if ranges else None
+
+    name = " & ".join(_fn_name(f) for f in fns) if len(fns) > 1 else _fn_name(fns[0])
+    return MaskFunction(both, name, meet if bounds else None)
 
 
 def or_masks(*fns: MaskFn) -> MaskFunction:
@@ -316,7 +335,16 @@ def or_masks(*fns: MaskFn) -> MaskFunction:
             out = out | fn(b, h, q_idx, kv_idx)
         return out
 
-    return MaskFunction(either, "(" + " | ".join(_fn_name(f) for f in fns) + ")")
+    bounded = all(isinstance(f, MaskFunction) and f.bound is not None for f in fns)
+
+    def hull(q0: int, q1: int) -> tuple[int, int] | None:  # OR: the smallest range holding every one
+        ranges = [f.key_range(q0, q1) for f in fns if isinstance(f, MaskFunction)]
+        if any(r is None for r in ranges):
+            return None
+        live = [r for r in ranges if r is not None and r[1] > r[0]]
+        return (min(r[0] for r in live), max(r[1] for r in live)) if live else (0, 0)
+
+    return MaskFunction(either, "(" + " | ".join(_fn_name(f) for f in fns) + ")", hull if bounded else None)
 
 
 def tensor_fn(t: Tensor) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
@@ -363,7 +391,7 @@ def causal_fn(lq: int | None = None, lk: int | None = None) -> MaskFunction:
     def causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return kv_idx <= q_idx + off
 
-    return MaskFunction(causal, "causal")
+    return MaskFunction(causal, "causal", lambda q0, q1: (-(1 << 62), q1 + off))
 
 
 def sliding_window_fn(
@@ -386,7 +414,10 @@ def sliding_window_fn(
         d = kv_idx - (q_idx + off)  # 0 on the aligned diagonal
         return ((d <= 0) & (d > -window)) if causal else (d.abs() < window)
 
-    return MaskFunction(sliding_window, f"sliding_window({window})")
+    def bound(q0: int, q1: int) -> tuple[int, int]:  # keys within the window of the first/last query
+        return q0 + off - window + 1, q1 + off + (0 if causal else window - 1)
+
+    return MaskFunction(sliding_window, f"sliding_window({window})", bound)
 
 
 def chunked_fn(
@@ -410,7 +441,11 @@ def chunked_fn(
         same = torch.div(pos, chunk, rounding_mode="floor") == torch.div(kv_idx, chunk, rounding_mode="floor")
         return (same & (kv_idx <= pos)) if causal else same
 
-    return MaskFunction(chunked, f"chunked({chunk})")
+    def bound(q0: int, q1: int) -> tuple[int, int]:  # from the first query's chunk to the last one's
+        end = (q1 - 1 + off) // chunk * chunk + chunk
+        return (q0 + off) // chunk * chunk, min(end, q1 + off) if causal else end
+
+    return MaskFunction(chunked, f"chunked({chunk})", bound)
 
 
 def prefix_lm_fn(prefix: int | Tensor, *, lq: int | None = None, lk: int | None = None) -> MaskFunction:
@@ -437,7 +472,11 @@ def prefix_lm_fn(prefix: int | Tensor, *, lq: int | None = None, lk: int | None 
         p = prefix[b] if isinstance(prefix, Tensor) else prefix  # (B, 1, 1, 1) or an int
         return (kv_idx <= q_idx + off) | (kv_idx < p)
 
-    return MaskFunction(prefix_lm, "prefix_lm")
+    def bound(q0: int, q1: int) -> tuple[int, int]:  # up to the diagonal or the longest prefix
+        longest = (int(prefix.max()) if prefix.numel() else 0) if isinstance(prefix, Tensor) else prefix
+        return -(1 << 62), max(q1 + off, longest)
+
+    return MaskFunction(prefix_lm, "prefix_lm", bound)
 
 
 def segments_fn(q_ids: Tensor, kv_ids: Tensor | None = None) -> MaskFunction:

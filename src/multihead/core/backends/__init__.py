@@ -109,12 +109,19 @@ def explain(call: AttentionCall) -> dict[str, list[str]]:
     return {name: list(_REGISTRY[name].why_not(call)) for name in _REGISTRY}
 
 
+def _keeps(backend: Backend, call: AttentionCall) -> bool:
+    """Whether ``backend`` keeps an auto-routed call it can serve: an optional ``defers(call)`` names a
+    reason to leave it to a later backend of the auto order (an explicit ``backend=`` still serves)."""
+    defers = getattr(backend, "defers", None)
+    return defers is None or defers(call) is None
+
+
 def select(call: AttentionCall, name: str = "auto") -> Backend:
     """The backend that serves ``call``: the named one, or the first able one in :data:`AUTO_ORDER`."""
     if name == "auto":
         for candidate in AUTO_ORDER:
             backend = _REGISTRY[candidate]
-            if next(iter(backend.why_not(call)), None) is None:  # no first reason: it serves the call
+            if next(iter(backend.why_not(call)), None) is None and _keeps(backend, call):  # it serves
                 return backend
         raise RuntimeError(f"no backend can serve this call: {explain(call)}")  # math serves all
     backend = get(name)

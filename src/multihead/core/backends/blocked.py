@@ -11,8 +11,9 @@ and calls with a softcap or attention sinks, and it never forms a (Lq, Lk) tenso
 * **tiled** -- everything else: blocks of ``block_q`` queries against spans of at most ``span_k`` keys.
   Per block and span the mask pieces are evaluated on that tile's index grid only (the functions once
   for every batch row and head their result does not depend on: the result's broadcast shape), the
-  keys no query of the block may see are cut off the span's ends (a span with none is skipped, and
-  causal spans beyond the diagonal are never evaluated), and an online softmax (running max and
+  keys no query of the block may see are cut off the span's ends (a span with none is skipped; keys
+  beyond the causal diagonal or outside a library mask function's ``key_range`` -- sliding window,
+  chunked, ... -- are never evaluated), and an online softmax (running max and
   denominator, flash-attention style) joins the spans. Sinks start the denominator; rows that see no
   key end with output 0. Autograd runs through the tile ops (it keeps tile-sized pieces, so training
   memory follows the visible pairs).
@@ -38,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..checks import is_int
-from ..masks import Normalized
+from ..masks import MaskFunction, Normalized
 from ._common import group_mask, zero_dead_rows
 from .base import AttentionCall
 
@@ -294,10 +295,10 @@ class _Frame:
         allowed costs a few serial passes over 16K booleans. Probes past the causal diagonal never run.
         """
         n = i1 - i0
-        hi = min(lk, i1 + self.diagonal) if self.causal else lk  # keys past hi: beyond the diagonal
+        lo, hi = self.key_range(i0, i1, lk)  # keys outside lo:hi: surely masked, never evaluated
         width = max(1, PROBE // n)
         start, end, pieces = 0, 0, []  # the span being gathered: keys start:end, its keep pieces
-        for c0 in range(0, max(hi, 0), width):
+        for c0 in range(lo, hi, width):
             c1 = min(hi, c0 + width)
             keep = self.keep(i0, i1, c0, c1)
             a, z = 0, c1 - c0
@@ -320,6 +321,16 @@ class _Frame:
             pieces.append((z - a, keep))
         if pieces:
             yield start, end, _joined(pieces)
+
+    def key_range(self, i0: int, i1: int, lk: int) -> tuple[int, int]:
+        """Local keys lo:hi outside which queries i0:i1 see nothing: the causal diagonal and the mask
+        function's own key range (:meth:`multihead.masks.MaskFunction.key_range`), when it has one."""
+        lo, hi = 0, min(lk, i1 + self.diagonal) if self.causal else lk  # keys past hi: beyond the diagonal
+        fn = self.m.mask_fn
+        bound = fn.key_range(self.q0 + i0, self.q0 + i1) if isinstance(fn, MaskFunction) else None
+        if bound is not None:  # global key indices -> local
+            lo, hi = max(lo, bound[0] - self.k0), min(hi, bound[1] - self.k0)
+        return lo, max(lo, hi)
 
     def _index(self, i0: int, i1: int, j0: int, j1: int, device: torch.device) -> tuple[Tensor, ...]:
         """Global (b, h, q_idx, kv_idx) int64 index tensors of a tile, broadcastable to (Bs, H, n, w)."""

@@ -33,6 +33,8 @@ from torch import Tensor
 from ..masks import causal, materialize, to_bias
 from ._common import DENSE_LIMIT, dense_refusal, zero_dead_rows
 from .base import AttentionCall
+from .blocked import _DTYPES as _BLOCKED_DTYPES
+from .blocked import packed_runs
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -73,6 +75,21 @@ def _with_sink_key(
     return k, v, torch.cat([attn_mask.expand(mb, h, mq, lk), sink], dim=-1)  # (B|1, H, Lq|1, Lk+1)
 
 
+def _packed_on_cpu(call: AttentionCall) -> bool:
+    """Whether a CPU call with segment ids is packed sequences (one contiguous run per id) that the
+    blocked backend serves for less than the dense grid: its runs' pairs at most half the row's."""
+    q, segments = call.q, call.masks.segments
+    if segments is None or q.device.type != "cpu" or q.dtype not in _BLOCKED_DTYPES:
+        return False
+    if call.return_weights or call.dropout > 0:
+        return False  # blocked serves neither
+    runs = packed_runs(*segments)
+    if runs is None:
+        return False
+    pairs = sum((qe - qs) * (ke - ks) for row in runs for qs, qe, ks, ke in row)
+    return 2 * pairs <= q.shape[0] * q.shape[2] * call.k.shape[2]
+
+
 class SDPABackend:
     """``dense_limit``: the largest B*H*Lq*Lk grid it evaluates mask/bias functions and segment ids on."""
 
@@ -91,6 +108,16 @@ class SDPABackend:
         reason = dense_refusal(call, self.dense_limit, self.name)
         if reason is not None:
             yield reason
+
+    def defers(self, call: AttentionCall) -> str | None:
+        """Why auto routing leaves a call sdpa could serve to a later backend (``backend='sdpa'`` still
+        serves it), or ``None``."""
+        if _packed_on_cpu(call):
+            return (
+                "packed segment ids on CPU: blocked's per-sequence path costs only the real tokens "
+                "(sdpa would evaluate every (query, key) pair of the row)"
+            )
+        return None
 
     def __call__(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         q, k, v = call.q, call.k, call.v

@@ -40,6 +40,7 @@ from torch import Tensor
 
 from ..checks import is_int
 from ..masks import MaskFunction, Normalized
+from ..segments import segment_runs
 from ._common import group_mask, zero_dead_rows
 from .base import AttentionCall
 
@@ -219,23 +220,15 @@ class BlockedBackend:
 
 
 def _runs(ids: Tensor) -> list[dict[int, tuple[int, int]]] | None:
-    """Per row of ids (B, L): {id: (start, end)} of the runs of equal non-negative ids, or ``None`` if
-    some id has two runs in a row (not the packed layout)."""
-    b, n = ids.shape
-    rows: list[dict[int, tuple[int, int]]] = [{} for _ in range(b)]
-    if n == 0:
-        return rows
-    starts = torch.ones(b, n, dtype=torch.bool, device=ids.device)
-    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
-    r, s = starts.nonzero(as_tuple=True)
-    found = list(zip(r.tolist(), s.tolist(), ids[r, s].tolist(), strict=True))  # one host sync
-    for idx, (row, start, value) in enumerate(found):
-        end = found[idx + 1][1] if idx + 1 < len(found) and found[idx + 1][0] == row else n
-        if value < 0:
-            continue
+    """Per row of ids (B, L): {id: (start, end)} of the runs of equal non-negative ids
+    (:func:`multihead.segments.segment_runs`), or ``None`` if some id has two runs in a row (not the
+    packed layout)."""
+    rows: list[dict[int, tuple[int, int]]] = [{} for _ in range(ids.shape[0])]
+    runs = segment_runs(ids)
+    for row, start, length, value in torch.stack(tuple(runs)).T.tolist():  # one host sync
         if value in rows[row]:
             return None
-        rows[row][value] = (start, end)
+        rows[row][value] = (start, start + length)
     return rows
 
 

@@ -129,9 +129,8 @@ def markdown(res: dict) -> str:
     lines = [
         "# multihead prune on all-MiniLM-L6-v2",
         "",
-        f"{res['date']}; {res['machine']}; load average at the end {res['load_average']} -- a shared, "
-        f"loaded machine: the times are long, the interleaved ratios are what to read. torch "
-        f"{res['torch']}, transformers {res['transformers']}.",
+        f"{res['date']}; {res['machine']}; load average at the end {res['load_average']}{_load_words(res)}. "
+        f"torch {res['torch']}, transformers {res['transformers']}.",
         "",
         "Data: `benchmarks/data/sentences.txt` (480 generated sentences; 384 to score and recover on, 96 held "
         "out). Quality: Spearman rank correlation of the pruned model's pairwise sentence similarities (cosine "
@@ -160,6 +159,15 @@ def markdown(res: dict) -> str:
             f"Speed target at --heads 0.5: >= {res['speedup_target']}x: {half['speedup']:.2f}x ({ok}).",
         ]
     return "\n".join(lines) + "\n"
+
+
+def _load_words(res: dict) -> str:
+    """A warning when the machine was busy: a 1-minute load above its cores + 1 (this run's own threads
+    make a load of about the core count)."""
+    one_minute = float(res["load_average"].split(" / ")[0])
+    if one_minute <= (os.cpu_count() or 1) + 1:
+        return ""
+    return " -- a busy machine: the times are long, the interleaved ratios are what to read"
 
 
 def plot(res: dict, path: Path) -> None:

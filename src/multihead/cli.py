@@ -186,8 +186,8 @@ def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser
     prune.add_argument(
         "--recover",
         metavar="STEPS",
-        help="distillation steps after pruning (default 120, about two minutes "
-        "for MiniLM on 2 CPU cores; 0: none)",
+        help="distillation steps after pruning (default 240, about 40 s for MiniLM "
+        "on a quiet 2-core CPU; 0: none)",
     )
     prune.add_argument(
         "--out", required=True, metavar="OUT_DIR", help="a new folder for the pruned checkpoint"

@@ -6,14 +6,17 @@ Dimensions: B batch, L tokens, E hidden width, V vocabulary, N held-out texts, P
 
 1. load the folder on multihead (:func:`multihead.commands.model_dir.load`), read the text (one per line),
    check lengths, hold out every fifth text or so (:func:`split_held_out`, deterministic);
-2. score the heads with :func:`multihead.heads.importance` under the checkpoint's objective
+2. score the heads with :func:`multihead.heads.importance` on the training text (up to
+   ``Options.score_texts`` texts: on MiniLM, 128 texts gave a noisy ranking, 384 a much better one)
+   under the checkpoint's objective
    (:data:`OBJECTIVES`): next-token loss for a causal LM, masked-token loss for a masked LM, denoising
    loss for an encoder-decoder, and for a bare encoder (or decoder) an in-batch contrastive loss of the
    model's mean-pooled embeddings against the *original* model's (:func:`contrastive_loss`; a distance
    to the original output would have zero gradient at the unpruned model, and so no scores);
 3. prune the least important heads in a few rounds, rescoring after each (no layer is ever emptied);
-4. recover: distil the pruned model toward the original on the same training text
-   (:func:`distill_loss`: per-layer hidden states + the objective's output), ``--recover`` steps;
+4. recover: distil the pruned model toward the original on the same training text, in batches that mix
+   lengths (:func:`make_batches` ``mix=True``) (:func:`distill_loss`: per-layer hidden states + the
+   objective's output), ``--recover`` steps;
 5. measure held-out quality before and after recovery (:func:`quality`), parameters, and the forward
    speed of the original against the pruned model in interleaved rounds (:mod:`multihead.bench.pair`);
 6. save the weights (safetensors), config (with ``multihead_heads``), tokenizer and the checkpoint's other
@@ -59,8 +62,8 @@ __all__ = [
     "split_held_out",
 ]
 
-DEFAULT_RECOVER = 120
-"""Default recovery steps: all-MiniLM-L6-v2 on 2 CPU cores (batch 16, short texts) took 106 s at load 3."""
+DEFAULT_RECOVER = 240
+"""Default recovery steps: all-MiniLM-L6-v2 (batch 16, short texts) takes about 40 s of a quiet 2-core CPU."""
 
 OBJECTIVES = {
     "encoder": "contrastive",
@@ -95,7 +98,7 @@ class Options:
     lr: float = 2e-4
     rounds: int = 3  # prune in this many score -> prune rounds
     held_out: float = 0.2
-    score_texts: int = 128  # training texts the importance scores are computed on (at most)
+    score_texts: int = 512  # training texts the importance scores are computed on (at most)
     seed: int = 0
     progress: bool = True
     timing: Settings = PAIR_SETTINGS
@@ -206,15 +209,23 @@ def _pad_id(tokenizer: Any) -> int:
 
 
 def make_batches(
-    ids: Sequence[list[int]], tokenizer: Any, objective: str, batch_size: int, seed: int
+    ids: Sequence[list[int]], tokenizer: Any, objective: str, batch_size: int, seed: int, *, mix: bool = False
 ) -> list[Batch]:
-    """Batches of texts of similar length (fewer pads), right-padded; labels for the LM objectives.
+    """Batches of texts, right-padded; labels for the LM objectives.
 
-    Masked-token and denoising objectives mask ``MASK_RATE`` of each text's non-special tokens (at least
-    one), chosen with a generator seeded by ``seed``: the same text gets the same mask every run.
+    By default each batch holds texts of similar length (fewer pads). ``mix=True`` deals the texts out in
+    an order shuffled by ``seed`` instead, so each batch holds texts of every length: what recovery trains
+    on, because the contrastive terms compare a batch's texts with each other, and held-out quality
+    compares texts of any lengths. Masked-token and denoising objectives mask ``MASK_RATE`` of each
+    text's non-special tokens (at least one), chosen with a generator seeded by ``seed``: the same call
+    gives the same batches every run.
     """
-    order = sorted(range(len(ids)), key=lambda i: (len(ids[i]), i))
-    pad, gen = _pad_id(tokenizer), torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    if mix:
+        order = torch.randperm(len(ids), generator=gen).tolist()
+    else:
+        order = sorted(range(len(ids)), key=lambda i: (len(ids[i]), i))
+    pad = _pad_id(tokenizer)
     special = set(getattr(tokenizer, "all_special_ids", []))
     mask_id = getattr(tokenizer, "mask_token_id", None)
     out = []
@@ -664,11 +675,14 @@ def run(opts: Options, *, echo: Callable[[str], None] = print) -> dict[str, Any]
         f"{len(held_texts)} held out"
     )
     train = make_batches(train_ids, loaded.tokenizer, objective, opts.batch_size, opts.seed)
+    mixed = make_batches(train_ids, loaded.tokenizer, objective, opts.batch_size, opts.seed + 2, mix=True)
     held = make_batches(held_ids, loaded.tokenizer, objective, opts.batch_size, opts.seed + 1)
     score_batches = _score_subset(train, opts.score_texts)
     if objective == "contrastive":
-        add_targets(original, train)
+        add_targets(original, score_batches)
         add_targets(original, held)
+        if steps:
+            add_targets(original, mixed)
         reference: Tensor | float = torch.cat([b.target for b in held])  # type: ignore[misc]
     else:
         reference = _held_loss(original, held)
@@ -681,7 +695,7 @@ def run(opts: Options, *, echo: Callable[[str], None] = print) -> dict[str, Any]
     losses: list[float] = []
     if steps:
         with Progress(steps, "recover", enabled=opts.progress) as bar:
-            losses = recover(pruned, original, train, objective, steps, opts, bar)
+            losses = recover(pruned, original, mixed, objective, steps, opts, bar)
     pruned.eval()
     after = quality(pruned, reference, held, objective) if steps else before
     echo(f"held-out {after.metric} {after.value:.4f} after {steps} recovery steps")

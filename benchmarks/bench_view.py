@@ -139,12 +139,15 @@ def markdown(r: dict) -> str:
     def iqr(v: list[float], unit: str) -> str:
         return f"{v[0]:.2f} {unit} [{v[1]:.2f}, {v[2]:.2f}]"
 
+    busy = ""
+    if r["load_average"][0] > r["cpus"] + 1:  # more than this run's own work: other jobs shared the machine
+        busy = ": the machine was shared by other jobs, which inflates every time here"
     lines = [
         "# `multihead view`: page size and render time (all-MiniLM-L6-v2, 6 layers x 12 heads)",
         "",
         f"{r['date']}, torch {r['torch']}, Python {r['python']}, {r['rounds']} interleaved rounds (the order "
-        f"rotates every round), load average {r['load_average']} on {r['cpus']} CPUs at the end: the machine was "
-        "shared by several jobs and heavily loaded, which inflates every time here several-fold. *Render*: real "
+        f"rotates every round), load average {r['load_average']} on {r['cpus']} CPUs at the end"
+        f"{busy}. *Render*: real "
         "seconds from telling an already started headless Chromium (DevTools protocol, every host name "
         "unresolvable) to open the page from file:// until the page reports every thumbnail and the head view "
         f"drawn; an empty page takes {iqr(r['empty_page_render_s'], 's')}. Median [IQR]. *Browser process*: "

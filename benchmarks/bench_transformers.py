@@ -4,7 +4,11 @@ Two models of realistic width, built from configs with random weights (nothing d
 
 * Llama-style: hidden 512, 4 layers, 8 query heads over 4 key/value heads (grouped-query), causal,
   1 x 512 and 1 x 2048 tokens; generate(): a 32-token prompt and 16 new tokens, greedy;
-* BERT-style: hidden 768, 4 layers, 12 heads, bidirectional, a padded batch of 2 x 512 and 2 x 1024.
+* BERT-style: hidden 768, 4 layers, 12 heads, bidirectional, a padded batch of 2 x 512 and 2 x 1024;
+* the Llama model on a padding-free batch: 16 sequences of 128 tokens packed into one row of 2,048 whose
+  ``position_ids`` restart at every sequence, no cache (what ``DataCollatorWithFlattening`` makes for
+  training). transformers turns that into a (2048, 2048) block-diagonal mask for eager and sdpa;
+  multihead reads it as sequence ids and attends each sequence on its own.
 
 The same weights run with ``attn_implementation`` = eager, sdpa and multihead; calls are timed in
 interleaved rounds (the order rotates each round) and reported as median and interquartile range of
@@ -34,6 +38,7 @@ from pathlib import Path
 import torch
 import transformers as T
 
+from multihead.bench.contenders import matmul_step
 from multihead.bench.stats import spread
 from multihead.integrations import transformers as mhtf
 from multihead.progress import Progress
@@ -47,7 +52,7 @@ class Task:
     """One timed call: which model, what it does on how many tokens, and who it is compared with."""
 
     model: str  # "llama" or "bert"
-    name: str  # "forward", "forward + output_attentions" or "generate"
+    name: str  # "forward", "forward + output_attentions", "forward, padding-free" or "generate"
     length: int  # tokens per sequence (the prompt for generate)
     target: str  # "sdpa" (multihead >= 0.95x its speed) or "eager" (multihead >= 1.3x its speed)
 
@@ -67,11 +72,14 @@ TASKS = (
     Task("llama", "generate", 32, "sdpa"),
     Task("llama", W, 512, "eager"),
     Task("llama", W, 2048, "eager"),
+    Task("llama", "forward, padding-free", 2048, "sdpa"),
     Task("bert", "forward", 512, "sdpa"),
     Task("bert", W, 512, "eager"),
     Task("bert", W, 1024, "eager"),
 )
 THRESHOLD = {"sdpa": 0.95, "eager": 1.3}
+PACKED = 128  # tokens per sequence of the padding-free batch
+MATMUL_N = 1024  # the yardstick: an (n, n) @ (n, n) fp32 matmul, timed once in every round
 BATCH = {"llama": 1, "bert": 2}
 
 
@@ -108,10 +116,14 @@ def build(kind: str) -> dict[str, torch.nn.Module]:
 
 
 def inputs(task: Task) -> dict[str, torch.Tensor]:
-    """Token ids (B, L); BERT's batch is padded (its second row keeps 5/8 of the tokens)."""
+    """Token ids (B, L); BERT's batch is padded (its second row keeps 5/8 of the tokens); a padding-free
+    batch is one row whose positions restart every :data:`PACKED` tokens, with the cache off."""
     g = torch.Generator().manual_seed(1)
     b, n = BATCH[task.model], task.length
     batch = {"input_ids": torch.randint(3, 1000, (b, n), generator=g)}  # (B, L)
+    if task.name.endswith("padding-free"):
+        batch["position_ids"] = torch.arange(PACKED).repeat(n // PACKED)[None]  # (1, L)
+        batch["use_cache"] = False  # type: ignore[assignment]
     if task.model == "bert":
         keep = torch.ones(b, n, dtype=torch.long)
         keep[1, n * 5 // 8 :] = 0
@@ -140,9 +152,12 @@ def quartiles(xs: list[float]) -> dict[str, float]:
     return spread(xs)._asdict()
 
 
-def run(rounds: int, new_tokens: int) -> list[dict]:
+def run(rounds: int, new_tokens: int) -> tuple[list[dict], list[float]]:
+    """The records of :data:`TASKS`, and the machine's matmul GFLOP/s measured in every round."""
     records = []
     built = {kind: build(kind) for kind in ("llama", "bert")}
+    matmul = matmul_step(torch.device("cpu"), MATMUL_N).run
+    gflops: list[float] = []
     with Progress(len(TASKS) * rounds, "transformers bench") as bar:
         for task in TASKS:
             models = built[task.model]
@@ -157,6 +172,7 @@ def run(rounds: int, new_tokens: int) -> list[dict]:
                     c, w = timed(fns[impl])
                     cpu[impl].append(c)
                     wall[impl].append(w)
+                gflops.append(2 * MATMUL_N**3 / timed(matmul)[1] / 1e9)
                 bar.update(1)
             # per-round ratios (same round, same machine load): peer time / multihead time = speed-up
             ratios = [p / m for p, m in zip(cpu[task.target], cpu["multihead"])]
@@ -183,7 +199,7 @@ def run(rounds: int, new_tokens: int) -> list[dict]:
                     impl: new_tokens / s["median"] for impl, s in record["cpu_seconds"].items()
                 }
             records.append(record)
-    return records
+    return records, gflops
 
 
 def _label(r: dict) -> str:
@@ -192,7 +208,14 @@ def _label(r: dict) -> str:
         if r["task"] == "generate"
         else f"{r['batch']} x {r['length']}"
     )
+    if r["task"].endswith("padding-free"):
+        what += f" = {r['length'] // PACKED} sequences x {PACKED}"
     return f"{r['model']} {r['task']} ({what})"
+
+
+def _rate(meta: dict) -> str:
+    g = meta.get("matmul_gflops")
+    return "(not measured)" if g is None else f"{g['median']:.1f} [{g['q1']:.1f}, {g['q3']:.1f}]"
 
 
 def markdown(records: list[dict], meta: dict) -> str:
@@ -203,7 +226,8 @@ def markdown(records: list[dict], meta: dict) -> str:
         f"{meta['rounds']} interleaved rounds (the order rotates every round), load average "
         f"{meta.get('load_average', 'not recorded')} at the end of the run. Times are the process's CPU seconds "
         "per call, which waiting for a core does not inflate; median [IQR]. Speed-up = the peer's time / multihead's time in the same "
-        "round, median [IQR]; the wall-clock speed-up is listed too.",
+        "round, median [IQR]; the wall-clock speed-up is listed too. The yardstick, timed once in every round: "
+        f"a {MATMUL_N} x {MATMUL_N} fp32 matmul at {_rate(meta)} GFLOP/s (wall clock, the same threads).",
         "",
         "| model, task (batch x tokens) | eager | sdpa | multihead | speed-up (CPU time) | wall | target | met |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -260,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     mhtf.register()
     rounds, new_tokens = (2, 4) if args.quick else (args.rounds, args.new_tokens)
-    records = run(rounds, new_tokens)
+    records, gflops = run(rounds, new_tokens)
     meta = {
         "when": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "torch": torch.__version__,
@@ -271,6 +295,7 @@ def main(argv: list[str] | None = None) -> None:
         "rounds": rounds,
         "new_tokens": new_tokens,
         "load_average": "{:.1f} / {:.1f} / {:.1f} (1 / 5 / 15 min)".format(*os.getloadavg()),
+        "matmul_gflops": quartiles(gflops),
     }
     text = markdown(records, meta)
     print(text)

@@ -106,6 +106,27 @@ def test_contrastive_loss_prefers_the_matching_target():
     assert float(P.contrastive_loss(target, target)) < float(P.contrastive_loss(target, target.roll(1, 0)))
 
 
+def _rows(batches):
+    """Each batch's texts as lists of token ids (padding cut off by the attention mask)."""
+    return [
+        [ids[att.bool()].tolist() for ids, att in zip(b.inputs["input_ids"], b.inputs["attention_mask"])]
+        for b in batches
+    ]
+
+
+def test_mixed_batches_hold_every_text_once_with_lengths_mixed():
+    ids = [[7] * n for n in range(1, 17)]  # 16 texts of lengths 1..16
+    tok = type("Tok", (), {"pad_token_id": 0, "all_special_ids": [0]})()
+    sorted_rows = _rows(P.make_batches(ids, tok, "contrastive", 4, 0))
+    mixed_rows = _rows(P.make_batches(ids, tok, "contrastive", 4, 3, mix=True))
+    again, other = (_rows(P.make_batches(ids, tok, "contrastive", 4, seed, mix=True)) for seed in (3, 4))
+    assert again == mixed_rows and other != mixed_rows  # the seed decides the batches
+    assert sorted(map(len, sum(mixed_rows, []))) == list(range(1, 17))  # every text exactly once
+    # length-sorted batches span 3 lengths each; dealt out at random they span far more
+    assert [max(map(len, r)) - min(map(len, r)) for r in sorted_rows] == [3, 3, 3, 3]
+    assert max(max(map(len, r)) - min(map(len, r)) for r in mixed_rows) > 3
+
+
 @pytest.mark.parametrize("kind", ["masked-lm", "causal-lm", "encoder-decoder"])
 def test_lm_objectives_label_and_score(folders, kind):
     ckpt = model_dir.load(folders[kind])

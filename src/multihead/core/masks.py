@@ -354,10 +354,15 @@ def tensor_fn(t: Tensor) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
     if not isinstance(t, Tensor) or t.dim() != 4:
         got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
         raise ValueError(f"tensor_fn takes a 4-D tensor (B|1, H|1, Lq|1, Lk|1), got {got}")
-    nb, nh, nq, nk = t.shape
+    sizes = tuple(t.shape)
 
     def at(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return t[b if nb > 1 else 0, h if nh > 1 else 0, q_idx if nq > 1 else 0, kv_idx if nk > 1 else 0]
+        # FlexAttention calls a mask_mod/score_mod with 0-d index tensors (under vmap, or traced by its
+        # compiler). There every index must be a tensor: before torch 2.13 an int among them is read with
+        # .item() (an error under vmap, a data-dependent guard under compile). Broadcast index tensors (the
+        # library's own blocks) keep the int 0, so a size-1 dimension adds no extent to the result.
+        zero = torch.zeros_like(q_idx) if q_idx.dim() == 0 else 0
+        return t[tuple(i if n > 1 else zero for i, n in zip((b, h, q_idx, kv_idx), sizes, strict=True))]
 
     return MaskFunction(at, "tensor") if t.dtype == torch.bool else BiasFunction(at, "tensor")
 

@@ -20,6 +20,7 @@ from torch import nn
 
 import multihead as mh
 from multihead import distributed as mhd
+from multihead.core.backends._common import FUSED_CPU_TAKES_GROUPS
 from multihead.distributed import blocks
 from multihead.testing import allowed_error
 
@@ -531,9 +532,9 @@ def test_one_rank_is_single_process_attention(one_rank_group, kv_heads):
         return [out.detach()] + [t.grad for t in leaves], sum(saved)
 
     (ring, ring_saved), (single, single_saved) = run(mhd.ring_attention), run(mh.attention)
-    # before torch 2.9 neither the fused kernel nor sdpa's CPU flash path takes grouped K/V: the ring
-    # repeats them into the kernel, sdpa runs its math kernel, so the two agree to rounding only
-    exact = kv_heads == 4 or blocks._FLASH_TAKES_GROUPS
+    # before torch 2.9 the fused CPU kernel does not take grouped K/V: the ring and sdpa both repeat them
+    # into it (multihead.core.backends._common.kv_for_cpu_kernel), in different blocks: equal to rounding
+    exact = kv_heads == 4 or FUSED_CPU_TAKES_GROUPS
     for a, b in zip(ring, single):
         assert a.dtype == torch.float32
         assert torch.equal(a, b) if exact else torch.testing.assert_close(a, b) is None

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from ..core import masks as _masks
-from ..core.backends._common import group_mask, group_queries, ungroup
+from ..core.backends._common import group_mask, group_queries, kv_for_cpu_kernel, ungroup
 from .sharding import Region
 
 __all__ = [
@@ -57,19 +57,6 @@ class FlashOps(NamedTuple):
 
     forward: Callable[..., tuple[Tensor, Tensor]]
     backward: Callable[..., tuple[Tensor, Tensor, Tensor]]
-
-
-# The fused CPU kernel takes grouped K/V (Hkv < H) only from torch 2.9 (pytorch PR 157893); before that it
-# reads past K/V's heads (NaN, heap corruption: seen on 2.5.1, 2.6.0, 2.7.1), so there K/V go in repeated.
-_FLASH_TAKES_GROUPS = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 9)
-
-
-def _flash_kv(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    """K/V as the fused kernel of this torch takes them: as they are, or repeated to H heads (B, H, m, D*)."""
-    g = q.shape[1] // k.shape[1]
-    if _FLASH_TAKES_GROUPS or g == 1:
-        return k, v
-    return k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # (B, H, m, Dk), (B, H, m, Dv)
 
 
 def _fold_groups(d: Tensor, hkv: int) -> Tensor:
@@ -227,7 +214,7 @@ def block_forward(x: BlockInputs, blk: Block, scale: float, kernel: str) -> Soft
         ops = flash_ops()
         assert ops is not None, "choose_kernel picks 'flash' only where the ops exist"
         bias, sees = _flash_bias(blk, q.dtype)
-        kf, vf = _flash_kv(q, k, v)
+        kf, vf = kv_for_cpu_kernel(q, k, v)
         out, lse = ops.forward(
             q, kf, vf, 0.0, blk.triangle, attn_mask=bias, scale=scale
         )  # (B,H,n,Dv), (B,H,n)
@@ -281,7 +268,7 @@ def block_backward(
         ops = flash_ops()
         assert ops is not None, "choose_kernel picks 'flash' only where the ops exist"
         bias, _ = _flash_bias(blk, q.dtype)
-        kf, vf = _flash_kv(q, k, v)
+        kf, vf = kv_for_cpu_kernel(q, k, v)
         dq, dk, dv = ops.backward(do, q, kf, vf, out, lse, 0.0, blk.triangle, attn_mask=bias, scale=scale)
         return Grads(dq, _fold_groups(dk, k.shape[1]), _fold_groups(dv, k.shape[1]))
     h, hkv = q.shape[1], k.shape[1]

@@ -109,6 +109,14 @@ def explain(call: AttentionCall) -> dict[str, list[str]]:
     return {name: list(_REGISTRY[name].why_not(call)) for name in _REGISTRY}
 
 
+def _serves(backend: Backend, call: AttentionCall) -> bool:
+    """Whether ``backend`` can serve ``call``: its ``why_not`` yields no reason (only the first is drawn; a
+    ``for`` loop rather than ``next(gen, None)``, which ``torch.compile`` before 2.9 cannot trace)."""
+    for _reason in backend.why_not(call):
+        return False
+    return True
+
+
 def _keeps(backend: Backend, call: AttentionCall) -> bool:
     """Whether ``backend`` keeps an auto-routed call it can serve: an optional ``defers(call)`` names a
     reason to leave it to a later backend of the auto order (an explicit ``backend=`` still serves)."""
@@ -121,7 +129,7 @@ def select(call: AttentionCall, name: str = "auto") -> Backend:
     if name == "auto":
         for candidate in AUTO_ORDER:
             backend = _REGISTRY[candidate]
-            if next(iter(backend.why_not(call)), None) is None and _keeps(backend, call):  # it serves
+            if _serves(backend, call) and _keeps(backend, call):
                 return backend
         raise RuntimeError(f"no backend can serve this call: {explain(call)}")  # math serves all
     backend = get(name)

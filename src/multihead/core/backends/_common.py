@@ -10,9 +10,26 @@ copied G times.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from .base import AttentionCall
+
+FUSED_CPU_TAKES_GROUPS = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 9)
+"""Whether PyTorch's fused CPU attention kernel takes grouped K/V (Hkv < H): from torch 2.9 (pytorch PR
+157893). Before that, ``scaled_dot_product_attention(enable_gqa=True)`` on CPU falls back to its math path
+(a (B, H, Lq, Lk) tensor and K/V copies), and the raw kernel reads past K/V's heads (NaN, heap corruption:
+seen on 2.5.1, 2.6.0, 2.7.1)."""
+
+
+def kv_for_cpu_kernel(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """K/V as this torch's fused CPU kernel takes them: as they are (grouped or not; any device but CPU
+    before torch 2.9), or repeated to H heads, (B, H, Lk, Dk) and (B, H, Lk, Dv) -- one copy of K/V, where
+    the fallback would hold every (query, key) score."""
+    g = q.shape[1] // k.shape[1]
+    if FUSED_CPU_TAKES_GROUPS or g == 1 or q.device.type != "cpu":
+        return k, v
+    return k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # (B, H, Lk, Dk), (B, H, Lk, Dv)
 
 
 def group_queries(q: Tensor, hkv: int) -> Tensor:

@@ -41,7 +41,7 @@ from torch import Tensor
 from ..checks import is_int
 from ..masks import MaskFunction, Normalized
 from ..segments import segment_runs
-from ._common import group_mask, zero_dead_rows
+from ._common import group_mask, kv_for_cpu_kernel, zero_dead_rows
 from .base import AttentionCall
 
 __all__ = ["BlockedBackend", "packed_runs"]
@@ -186,6 +186,9 @@ class BlockedBackend:
             frame = replace(frame, causal=False)
         keep = frame.keep(0, n, 0, w)  # (1|1, H|1, n, w) or None
         bias = frame.bias(0, n, 0, w, q.dtype)
+        if is_causal and (keep is not None or bias is not None):  # SDPA takes is_causal or a mask (torch
+            tri = torch.ones(n, w, dtype=torch.bool, device=q.device).tril()  # < 2.13): the triangle joins it
+            keep, is_causal = (tri if keep is None else keep & tri), False  # (1|1, H|1, n, w)
         row_ok = None
         if keep is not None or bias is not None:
             allowed = (
@@ -202,6 +205,7 @@ class BlockedBackend:
             attn_mask = bias if bias is not None else keep | ~row_ok  # rows that see nothing: re-opened
         else:
             attn_mask = None
+        k, v = kv_for_cpu_kernel(q, k, v)  # repeated to H heads before torch 2.9 only
         out = F.scaled_dot_product_attention(
             q,
             k,

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..masks import causal, materialize, to_bias
-from ._common import DENSE_LIMIT, dense_refusal, zero_dead_rows
+from ._common import DENSE_LIMIT, dense_refusal, kv_for_cpu_kernel, zero_dead_rows
 from .base import AttentionCall
 from .blocked import _DTYPES as _BLOCKED_DTYPES
 from .blocked import packed_runs
@@ -129,6 +129,7 @@ class SDPABackend:
         if call.sinks is not None:
             k, v, attn_mask = _with_sink_key(q, k, v, attn_mask, is_causal, call.sinks)
             is_causal = False
+        k, v = kv_for_cpu_kernel(q, k, v)  # repeated to H heads on CPU before torch 2.9 only
         fused = q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
         with _cuda_kernels() if fused else contextlib.nullcontext():
             out = F.scaled_dot_product_attention(

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from keras_env import backend_env
 
 TESTS = Path(__file__).resolve().parent
 BACKENDS = ("tensorflow", "jax", "torch")
@@ -19,12 +20,12 @@ THIS_BACKEND = os.environ.get("KERAS_BACKEND", "torch")  # what test_compat_kera
 NEEDS = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}
 
 
-def _run(code_or_args, env=None, timeout=600):
+def _run(code_or_args, backend, timeout=600):
     args = code_or_args if isinstance(code_or_args, list) else ["-c", code_or_args]
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}
     return subprocess.run(
-        [sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=TESTS.parent
-    )
+        [sys.executable, *args], env=backend_env(backend), capture_output=True, text=True, timeout=timeout,
+        cwd=TESTS.parent,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b != THIS_BACKEND])
@@ -34,7 +35,7 @@ def test_keras_tests_pass_on_the_other_backends(backend):
     files = ["test_compat_keras.py"] + (["test_seeds_keras.py"] if backend == "tensorflow" else [])
     res = _run(
         ["-m", "pytest", "-q", "-p", "no:cacheprovider", *(str(TESTS / f) for f in files)],
-        env={"KERAS_BACKEND": backend},
+        backend,
     )
     tail = (res.stdout + res.stderr)[-6000:]
     assert res.returncode == 0, f"KERAS_BACKEND={backend}: the Keras tests failed:\n{tail}"
@@ -75,7 +76,7 @@ print("ok without torch")
 def test_keras_layer_imports_and_runs_without_torch_on_jax():
     pytest.importorskip("keras")
     pytest.importorskip("jax")
-    res = _run(NO_TORCH)
+    res = _run(NO_TORCH, "jax")
     assert res.returncode == 0 and "ok without torch" in res.stdout, res.stderr[-4000:]
 
 
@@ -95,7 +96,7 @@ from multihead import TransformerEncoderLayer, masks
 assert multihead.heads.__name__ == "multihead.heads" and "keras" not in sys.modules
 print("lazy ok")
 """
-    res = _run(code)
+    res = _run(code, THIS_BACKEND)
     assert res.returncode == 0 and "lazy ok" in res.stdout, res.stderr[-4000:]
 
 

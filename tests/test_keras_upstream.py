@@ -3,8 +3,8 @@
 The Keras wheel ships ``keras/src/layers/attention/multi_head_attention_test.py``. Each backend gets a fresh
 ``python -m pytest`` on that file (Keras fixes its backend once per process) with a plugin that puts
 :class:`multihead.compat.keras.MultiHeadAttention` where the file reads ``layers.MultiHeadAttention``;
-every one of its tests must pass. Cost on 2 CPU cores: about 30 s of CPU time each on torch and TensorFlow,
-about 140 s on JAX (its training-step tests compile with XLA).
+every one of its tests must pass. Cost on 2 CPU cores: about 30 s each on torch and TensorFlow, about 60 s on
+JAX (its tests compile with XLA; ``keras_env.backend_env`` switches XLA's optimisation passes off).
 """
 
 import importlib.util
@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from keras_env import backend_env
 
 BACKENDS = ("tensorflow", "jax", "torch")
 PLUGIN = """
@@ -49,12 +50,9 @@ def test_keras_own_mha_tests_pass_on_our_layer(backend, tmp_path):
     (tmp_path / "multihead_keras_swap.py").write_text(PLUGIN)
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    requires_trainable_backend\n")
     src = Path(__file__).resolve().parent.parent / "src"
-    env = {
-        **os.environ,
-        "KERAS_BACKEND": backend,
-        "TF_CPP_MIN_LOG_LEVEL": "2",
-        "PYTHONPATH": os.pathsep.join([str(tmp_path), str(src), os.environ.get("PYTHONPATH", "")]),
-    }
+    env = backend_env(
+        backend, PYTHONPATH=os.pathsep.join([str(tmp_path), str(src), os.environ.get("PYTHONPATH", "")])
+    )
     args = ["-m", "pytest", "-q", "-s", "-c", str(tmp_path / "pytest.ini"), "-p", "no:cacheprovider"]
     args += ["-p", "multihead_keras_swap", "-W", "ignore::DeprecationWarning", str(test_file)]
     res = subprocess.run(

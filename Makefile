@@ -55,7 +55,7 @@ browser:
 	  else echo "make browser: no chromium on PATH; install it (apt-get install chromium) for the page tests"; fi; }
 
 test: lint smoke browser
-	$(PY) -m pytest -q -n 2 --durations=10
+	$(PY) -m pytest -q -n 2 --dist worksteal --durations=10
 
 # The floor job. Its own venv, .venv-floor: torch and Keras at pyproject's floors (requirements-floor.txt pins
 # them and the rest as requirements-dev.txt does; tests/test_package.py checks the floors agree), plus the
@@ -88,7 +88,7 @@ test-floor: $(FLOOR_STAMP)
 	@KERAS_BACKEND=torch $(FLOOR_PY) -c "import torch, keras, transformers as t; print('floor job: torch', torch.__version__, \
 	  '| keras', keras.__version__, '| transformers', t.__version__)"
 	@start=$$(date +%s); \
-	KERAS_BACKEND=torch $(FLOOR_PY) -m pytest -q -n 2 -p no:cacheprovider --durations=5 $(FLOOR_SKIP); \
+	KERAS_BACKEND=torch $(FLOOR_PY) -m pytest -q -n 2 --dist worksteal -p no:cacheprovider --durations=5 $(FLOOR_SKIP); \
 	status=$$?; echo "floor suite: $$(( $$(date +%s) - start )) s"; exit $$status
 
 bench: $(STAMP)

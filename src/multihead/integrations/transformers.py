@@ -202,7 +202,7 @@ def _config_refusal(config_class: type) -> str | None:
 
 
 # ------------------------------------------------------------------------------------------------
-# Private transformers internals: one adapter each (tests/test_hf_private.py names the version on change)
+# Private transformers internals: one adapter each (tests/test_hf_public.py names the version on change)
 # ------------------------------------------------------------------------------------------------
 
 

@@ -1,7 +1,17 @@
-"""Fixtures shared by several test modules."""
+"""Fixtures shared by several test modules, and how the suite is laid out on xdist workers."""
+
+import os
 
 import pytest
 import torch
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under ``pytest -n N`` with N workers for N cores or fewer, each worker computes on one thread:
+    two workers of two threads each on two cores spend their time waiting on each other's threads."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers and workers >= (os.cpu_count() or 1):
+        torch.set_num_threads(1)
 
 
 @pytest.fixture

@@ -204,6 +204,9 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
+_COPIES = {"clone", "copy_", "contiguous", "repeat_interleave", "cat", "_to_copy"}
+
+
 @pytest.mark.parametrize("kv_heads", [4, 2])
 @pytest.mark.parametrize("causal", [False, True])
 def test_self_attention_forward_makes_no_copies(kv_heads, causal):
@@ -213,19 +216,15 @@ def test_self_attention_forward_makes_no_copies(kv_heads, causal):
         m(x, causal=causal)
     names = [n.split(".")[0] for n, _ in rec.ops]
     assert names.count("addmm") == 2  # one fused QKV projection, one output projection
-    assert "_scaled_dot_product_flash_attention_for_cpu" in names, (
-        names
-    )  # the fused kernel, not the math path
-    copies = [(n, size) for n, size in zip(names, (size for _, size in rec.ops), strict=True) if n in _COPIES]
+    # the fused kernel, not the math path
+    assert "_scaled_dot_product_flash_attention_for_cpu" in names, names
+    copies = [(n, size) for n, (_, size) in zip(names, rec.ops, strict=True) if n in _COPIES]
     if kv_heads < 4 and not FUSED_CPU_TAKES_GROUPS:
         # before torch 2.9 the fused CPU kernel takes no grouped K/V: K and V are repeated to H heads, one
         # copy each of (B, H, L, D) = 2 * 4 * 16 * 16 -- never a (query, key) sized tensor
         assert copies == [("clone", 2 * 4 * 16 * 16)] * 2, names
     else:
         assert not copies, names
-
-
-_COPIES = {"clone", "copy_", "contiguous", "repeat_interleave", "cat", "_to_copy"}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -186,8 +186,9 @@ class BlockedBackend:
             frame = replace(frame, causal=False)
         keep = frame.keep(0, n, 0, w)  # (1|1, H|1, n, w) or None
         bias = frame.bias(0, n, 0, w, q.dtype)
-        if is_causal and (keep is not None or bias is not None):  # SDPA takes is_causal or a mask (torch
-            tri = torch.ones(n, w, dtype=torch.bool, device=q.device).tril()  # < 2.13): the triangle joins it
+        if is_causal and (keep is not None or bias is not None):
+            # SDPA before torch 2.13 takes is_causal or a mask, not both: the triangle joins the mask
+            tri = torch.ones(n, w, dtype=torch.bool, device=q.device).tril()  # (n, w), what is_causal means
             keep, is_causal = (tri if keep is None else keep & tri), False  # (1|1, H|1, n, w)
         row_ok = None
         if keep is not None or bias is not None:

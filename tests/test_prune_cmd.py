@@ -3,7 +3,9 @@ random decoder and encoder-decoder folders), reloading the saved folder, and eve
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 
 import pytest
 import torch
@@ -355,7 +357,23 @@ def test_bad_input(tmp_path, folders, lines, capsys, case, expect):
         code_err = _bad_existing(tmp_path, argv, capsys, folders, lines)
         assert expect in code_err
         return
-    assert expect in _bad(tmp_path, folders, lines, capsys, argv)
+    with _transformers_warnings() as warned:  # its handler writes past capsys: a line of its own on stderr
+        assert expect in _bad(tmp_path, folders, lines, capsys, argv)
+    assert not warned, [r.getMessage() for r in warned]
+
+
+@contextlib.contextmanager
+def _transformers_warnings():
+    """The warnings transformers logs meanwhile (its library logger does not propagate to the root)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    root = T.logging.get_logger()
+    root.addHandler(handler)
+    try:
+        yield records
+    finally:
+        root.removeHandler(handler)
 
 
 def _bad_existing(tmp_path, argv, capsys, folders, lines):

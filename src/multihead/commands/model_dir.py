@@ -13,6 +13,8 @@ Kinds: ``"encoder"`` (a bare encoder such as ``BertModel``), ``"masked-lm"``, ``
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +64,20 @@ class CheckpointFolder:
     kind: str
     path: Path
     max_length: int | None
+
+
+@contextmanager
+def quiet_tokenizer() -> Iterator[None]:
+    """Tokenize without transformers' "sequence length is longer than" warning: the commands check each
+    text's length against the model's and say it themselves, in their one line on stderr."""
+    import transformers
+
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers.logging.set_verbosity(verbosity)
 
 
 def check_folder(path: str | Path) -> dict[str, Any]:

@@ -172,7 +172,8 @@ def split_held_out(texts: Sequence[str], fraction: float) -> tuple[list[str], li
 
 def encode(tokenizer: Any, texts: Sequence[str], max_length: int | None, truncate: bool) -> list[list[int]]:
     """Token ids of each text (special tokens added); :class:`PruneError` for one over ``max_length``."""
-    ids = [list(x) for x in tokenizer(list(texts), add_special_tokens=True)["input_ids"]]
+    with model_dir.quiet_tokenizer():
+        ids = [list(x) for x in tokenizer(list(texts), add_special_tokens=True)["input_ids"]]
     if max_length is None:
         return ids
     for i, row in enumerate(ids):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .model_dir import BadInput, CheckpointFolder, load
+from .model_dir import BadInput, CheckpointFolder, load, quiet_tokenizer
 
 if TYPE_CHECKING:  # imported where used: building the CLI's parser stays light
     import torch
@@ -84,15 +84,9 @@ class Inputs:
 
 
 def _tokenize(ckpt: CheckpointFolder, text: str, pair: str | None, *, truncate: bool, what: str) -> Any:
-    import transformers
-
     tok, limit = ckpt.tokenizer, ckpt.max_length
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()  # no "sequence longer than" warning: we say it ourselves
-    try:
+    with quiet_tokenizer():
         enc = tok(text, pair, return_tensors="pt", truncation=bool(truncate and limit), max_length=limit)
-    finally:
-        transformers.logging.set_verbosity(verbosity)
     n = enc["input_ids"].shape[1]
     if limit is not None and n > limit:
         raise BadInput(

@@ -152,19 +152,22 @@ CPU has, unless that variable asks for a lower one (x86: default, avx2, avx512; 
 def cpu_capabilities() -> list[str]:
     """The values of ``ATEN_CPU_CAPABILITY`` that this CPU runs, lowest first; the last is torch's own pick.
 
-    Each is asked for in a fresh interpreter (torch reads the variable once, at import) and kept when torch
-    reports that it took it: a value the CPU lacks falls back to another, and is left out.
+    Each is asked for in a fresh interpreter (torch reads the variable once, at import; the interpreters run
+    at once) and kept when torch reports that it took it: a value the CPU lacks falls back to another, and is
+    left out.
     """
-    found = []
-    for cap in CPU_CAPABILITIES:
-        env = {**os.environ, "ATEN_CPU_CAPABILITY": cap}
-        probe = "import torch; print(torch.backends.cpu.get_cpu_capability())"
-        took = subprocess.run(
-            [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        if took.lower() == cap:
-            found.append(cap)
-    return found
+    probe = "import torch; print(torch.backends.cpu.get_cpu_capability())"
+    runs = {
+        cap: subprocess.Popen(
+            [sys.executable, "-c", probe],
+            env={**os.environ, "ATEN_CPU_CAPABILITY": cap},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,  # torch warns of a value it does not know on this CPU's architecture
+            text=True,
+        )
+        for cap in CPU_CAPABILITIES
+    }
+    return [cap for cap, run in runs.items() if run.communicate()[0].strip().lower() == cap]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from .attention import MultiheadAttention, _always_call_me
+from .attention import MultiheadAttention, _always_call_me, _flags
 
 __all__ = ["TORCH_CLASSES", "convert", "revert"]
 
@@ -50,33 +50,45 @@ TORCH_CLASSES: tuple[type[nn.Module], ...] = (
 @dataclass
 class _Walk:
     """One pass over a module tree: ``swap(m)`` gives a module's replacement (or None to look inside it),
-    ``left_alone(m)`` says whether to skip ``m`` and everything inside it. It records what it did."""
+    ``left_alone(m)`` says whether to skip ``m`` and everything inside it. It records what it did.
+
+    :meth:`visit` changes nothing in the tree: it builds the replacements (which take the old modules'
+    parameters) and lists where they go; :meth:`apply` puts them there. So a replacement that fails
+    (ValueError) leaves the model as it was, also with ``inplace=True``."""
 
     swap: Callable[[nn.Module], nn.Module | None]
     left_alone: Callable[[nn.Module], bool]
     swapped: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     done: dict[int, nn.Module] = field(default_factory=dict)  # id(old) -> new: a shared module stays shared
+    pending: list[tuple[nn.Module, str, nn.Module]] = field(default_factory=list)  # (parent, child name, new)
 
     def visit(self, m: nn.Module, name: str) -> nn.Module:
-        """``m`` (at ``name`` in the model) with every module below it swapped, or its replacement."""
+        """``m``'s replacement (``m`` itself if none), with those below it listed in ``pending``."""
         if id(m) in self.done:
             return self.done[id(m)]
-        new = self.swap(m)
+        try:
+            new = self.swap(m)
+        except ValueError as e:
+            raise ValueError(f"{_shown(name)}: {e}") from e
         if new is not None:
             _warn_lost_hooks(m, name)
             self.swapped.append(_shown(name))
-        elif self.left_alone(m):
-            self.skipped.append(f"{_shown(name)} ({type(m).__module__}.{type(m).__qualname__})")
-            new = m
         else:
-            for child_name, child in list(m.named_children()):
-                replaced = self.visit(child, f"{name}.{child_name}" if name else child_name)
-                if replaced is not child:
-                    m.add_module(child_name, replaced)
             new = m
+            if self.left_alone(m):
+                self.skipped.append(f"{_shown(name)} ({type(m).__module__}.{type(m).__qualname__})")
+            else:
+                for child_name, child in m.named_children():
+                    replaced = self.visit(child, f"{name}.{child_name}" if name else child_name)
+                    if replaced is not child:
+                        self.pending.append((m, child_name, replaced))
         self.done[id(m)] = new
         return new
+
+    def apply(self) -> None:
+        for parent, child_name, new in self.pending:
+            parent.add_module(child_name, new)
 
 
 def _shown(name: str) -> str:
@@ -100,16 +112,27 @@ def _warn_lost_hooks(m: nn.Module, name: str) -> None:
 
 
 def _adopt(new: nn.Module, old: nn.Module) -> nn.Module:
-    """``new`` takes ``old``'s own Parameter objects (same names): the exact tensors, ``requires_grad``,
-    device and dtype, and references an optimizer holds. Also ``old``'s train/eval mode."""
+    """``new`` (built on the meta device with ``old``'s flags) takes ``old``'s own Parameter objects: the
+    exact tensors, ``requires_grad``, device and dtype, and references an optimizer holds. Also ``old``'s
+    train/eval mode. The two classes have the same parameter names and shapes for the same flags."""
     params = dict(old.named_parameters(remove_duplicate=False))
     mine = dict(new.named_parameters(remove_duplicate=False))
-    if params.keys() != mine.keys():  # from_torch/to_torch load strictly, so this is a bug, not bad input
-        raise AssertionError(f"parameter names differ: {sorted(params)} vs {sorted(mine)}")
+    theirs, ours = ({n: tuple(p.shape) for n, p in d.items()} for d in (params, mine))
+    if theirs != ours:  # a subclass of nn.MultiheadAttention with parameters of its own (subclasses=True)
+        raise ValueError(
+            f"{type(old).__name__} has parameters {theirs}, {type(new).__name__} has {ours}; it cannot be "
+            f"replaced with its weights kept: convert without subclasses=True to leave it alone"
+        )
     for name, p in params.items():
         owner, _, leaf = name.rpartition(".")
         setattr(new.get_submodule(owner), leaf, p)
     return new.train(old.training)
+
+
+def _on_meta(m: nn.Module) -> dict[str, object]:
+    """``m``'s constructor flags, on the meta device: the new module allocates and initialises nothing,
+    since :func:`_adopt` hands it ``m``'s parameters."""
+    return {**_flags(m), "device": "meta"}
 
 
 def _check(model: object, inplace: object, **flags: object) -> None:
@@ -122,6 +145,7 @@ def _check(model: object, inplace: object, **flags: object) -> None:
 
 def _run(model: nn.Module, walk: _Walk, inplace: bool, what: str) -> tuple[nn.Module, _Walk]:
     root = walk.visit(model if inplace else copy.deepcopy(model), "")
+    walk.apply()
     if walk.swapped:
         logger.info("%s %d module(s): %s", what, len(walk.swapped), ", ".join(walk.swapped))
     else:
@@ -153,7 +177,7 @@ def convert(model: nn.Module, *, inplace: bool = False, subclasses: bool = False
 
     def swap(m: nn.Module) -> nn.Module | None:
         if type(m) is nn.MultiheadAttention or (subclasses and isinstance(m, nn.MultiheadAttention)):
-            return _adopt(MultiheadAttention.from_torch(m), m)  # type: ignore[arg-type]
+            return _adopt(MultiheadAttention(m.embed_dim, m.num_heads, **_on_meta(m)), m)
         return None
 
     def left_alone(m: nn.Module) -> bool:
@@ -184,7 +208,7 @@ def revert(model: nn.Module, *, inplace: bool = False) -> nn.Module:
     def swap(m: nn.Module) -> nn.Module | None:
         if type(m) is not MultiheadAttention:
             return None
-        return _adopt(m.to_torch(), m)
+        return _adopt(nn.MultiheadAttention(m.embed_dim, m.num_heads, **_on_meta(m)), m)
 
     def left_alone(m: nn.Module) -> bool:
         return isinstance(m, MultiheadAttention)

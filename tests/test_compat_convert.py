@@ -10,12 +10,14 @@ cases skip, naming the package.
 """
 
 import copy
+import functools
 import importlib.util
 import logging
 from dataclasses import dataclass
 
 import pytest
 import torch
+import torch._dynamo.testing
 from torch import nn
 
 from multihead import heads, viz
@@ -217,9 +219,14 @@ def test_state_dict_loads_both_ways_and_revert_restores(case):
 
 
 def test_compile_fullgraph_equals_eager(case):
+    """One whole graph (fullgraph=True, one frame compiled) equal to torch's eager model. The aot_eager backend
+    traces forward and backward graphs as inductor would and runs them without generating code (inductor's
+    code generation is torch's own, and slow to compile on 2 cores)."""
     ours = convert(case.model.eval())
-    compiled = torch.compile(ours, fullgraph=True, backend="aot_eager")
-    torch.testing.assert_close(case.run(compiled), case.run(case.model))
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(functools.partial(case.call, ours), fullgraph=True, backend=counter)
+    torch.testing.assert_close(compiled(*case.inputs), case.run(case.model))
+    assert counter.frame_count == 1
 
 
 def test_head_tools_work_on_the_converted_model(case, tmp_path):

@@ -9,6 +9,7 @@ float64 throughout, so "equal to torch" is checked to float64 precision (assert_
 
 import contextlib
 import copy
+import pickle
 
 import pytest
 import torch
@@ -169,3 +170,15 @@ def test_drop_in_set_by_hand_in_eval_is_called_and_masks_heads(ctx):
         with heads.masked(layer, {"self_attn": [1]}):
             got = layer(x, src_key_padding_mask=KPM)
         torch.testing.assert_close(got, zeroed(x, src_key_padding_mask=KPM))
+
+
+def test_the_guard_survives_copies_and_old_pickles():
+    """The no-op pre-hook that keeps torch's fused kernel away travels with deepcopy and pickle, and a drop-in
+    pickled without it (an older version) gets it back when unpickled."""
+    from multihead.compat.torch.attention import _always_call_me
+
+    m = MultiheadAttention(E, H, batch_first=True)
+    assert list(m._forward_pre_hooks.values()) == [_always_call_me]
+    assert list(copy.deepcopy(m)._forward_pre_hooks.values()) == [_always_call_me]
+    m._forward_pre_hooks.clear()  # as an older version pickled it
+    assert list(pickle.loads(pickle.dumps(m))._forward_pre_hooks.values()) == [_always_call_me]

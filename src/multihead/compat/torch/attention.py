@@ -240,6 +240,12 @@ class MultiheadAttention(_CoreMHA):
             nn.init.xavier_normal_(self.bias_v)
         self.register_forward_pre_hook(_always_call_me)
 
+    def __setstate__(self, state: dict[str, object]) -> None:
+        """Unpickling: a module pickled before the drop-in carried :func:`_always_call_me` gets it too."""
+        super().__setstate__(state)
+        if _always_call_me not in self._forward_pre_hooks.values():
+            self.register_forward_pre_hook(_always_call_me)
+
     def reset_parameters(self) -> None:
         """torch's initialisation: Xavier-uniform projections, zero biases, Xavier-normal bias_k/bias_v."""
         super().reset_parameters()

@@ -25,6 +25,13 @@ attention runs over each sequence's real tokens only and the output is a nested 
 layout (torch takes them only on its inference fast path). Errors are raised as torch's type *and* the
 library's: a bad shape is a :class:`MultiheadAttentionError` (``ValueError`` and ``AssertionError``), its
 message torch's text followed by the fix.
+
+Inside torch's own layers (``nn.TransformerEncoderLayer`` and the rest) the drop-in is always called: torch's
+fused inference kernel for the encoder layer (``torch._transformer_encoder_layer_fwd``, which reads the
+attention's weights and never calls the attention module) is never taken around it (see
+:func:`_always_call_me`), so multihead computes every attention and inspectors see every call.
+``nn.TransformerEncoder``'s nested-tensor path (``enable_nested_tensor``, eval, padding mask) still runs:
+it hands each layer a nested tensor, which the drop-in takes.
 """
 
 from __future__ import annotations
@@ -33,11 +40,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..core.attention import AttentionOutput, attention, output_and_weights
-from ..core.masks import combine
-from ..nn import seam
-from ..nn.attention import MultiHeadAttention as _CoreMHA
-from ..nn.attention import map_inputs, merge_heads, split_heads
+from ...core.attention import AttentionOutput, attention, output_and_weights
+from ...core.masks import combine
+from ...nn import seam
+from ...nn.attention import MultiHeadAttention as _CoreMHA
+from ...nn.attention import map_inputs, merge_heads, split_heads
 
 __all__ = [
     "IsCausalError",
@@ -46,6 +53,18 @@ __all__ = [
     "MultiheadAttentionError",
     "torch_attention",
 ]
+
+
+def _always_call_me(module: nn.Module, args: tuple[object, ...]) -> None:
+    """The drop-in's forward pre-hook; it does nothing.
+
+    ``nn.TransformerEncoderLayer.forward`` (torch 2.1 to at least 2.13) skips its fused inference kernel
+    when any module inside the layer carries a forward hook ("forward pre-/hooks are attached to the
+    module"); that kernel would read this module's weights and bypass its ``forward``, so an open
+    ``viz.capture`` or ``heads.masked`` would see nothing. With this hook the layer takes its plain path,
+    which calls the drop-in (tests/test_compat_torch_layers.py checks the kernel is never called).
+    """
+    return None
 
 
 def _flags(m: nn.Module) -> dict[str, object]:
@@ -144,6 +163,18 @@ def _pad_keys(keep: Tensor | None, bias: Tensor | None, extra: int) -> tuple[Ten
     return keep, bias
 
 
+def _nested_like(query: Tensor, parts: list[Tensor]) -> Tensor:
+    """N components (L_i, E) as a nested tensor of the query's layout (N, L*, E). A jagged result shares the
+    query's offsets, so torch's layers can add it to the query (``x + self_attn(x)``): jagged tensors of
+    equal lengths but separate offsets are different shapes to torch."""
+    if query.layout == torch.jagged:
+        lens = [t.shape[0] for t in parts]
+        return torch.nested.nested_tensor_from_jagged(
+            torch.cat(parts), offsets=query.offsets(), min_seqlen=min(lens), max_seqlen=max(lens)
+        )  # (N, L*, E)
+    return torch.nested.as_nested_tensor(parts, layout=query.layout)  # (N, L*, E)
+
+
 class MultiheadAttention(_CoreMHA):
     """Drop-in for ``torch.nn.MultiheadAttention`` (same arguments, returns and ``state_dict``).
 
@@ -207,6 +238,13 @@ class MultiheadAttention(_CoreMHA):
             self.bias_v = nn.Parameter(torch.empty(1, 1, embed_dim, device=device, dtype=dtype))
             nn.init.xavier_normal_(self.bias_k)
             nn.init.xavier_normal_(self.bias_v)
+        self.register_forward_pre_hook(_always_call_me)
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        """Unpickling: a module pickled before the drop-in carried :func:`_always_call_me` gets it too."""
+        super().__setstate__(state)
+        if _always_call_me not in self._forward_pre_hooks.values():
+            self.register_forward_pre_hook(_always_call_me)
 
     def reset_parameters(self) -> None:
         """torch's initialisation: Xavier-uniform projections, zero biases, Xavier-normal bias_k/bias_v."""
@@ -499,7 +537,7 @@ class MultiheadAttention(_CoreMHA):
             out, w = self._attend(*one, None, None, False, True)  # (1, L_i, E), (1, H, L_i, S_i')
             outs.append(out.squeeze(0))  # (L_i, E)
             weights.append(w)
-        nested = torch.nested.as_nested_tensor(outs, layout=query.layout)  # (N, L*, E)
+        nested = _nested_like(query, outs)  # (N, L*, E)
         lq, ls = max(q.shape[0] for q in qs), max(k.shape[0] for k in ks) + extra
         dense = outs[0].new_zeros(len(qs), self.num_heads, lq, ls)  # (N, H, max L, max S')
         for i, w in enumerate(weights):
@@ -530,8 +568,7 @@ class MultiheadAttention(_CoreMHA):
         out, _ = self._attend(
             q_in, k_in, v_in, None, None, False, False, segment_ids=(q_ids[None], kv_ids[None]), copies=n
         )  # (1, sum L_i, E)
-        parts = list(out[0].split(q_lens.tolist()))  # N x (L_i, E)
-        return torch.nested.as_nested_tensor(parts, layout=query.layout)  # (N, L*, E)
+        return _nested_like(query, list(out[0].split(q_lens.tolist())))  # (N, L*, E) from N x (L_i, E)
 
     # ------------------------------------------------------------------------------------------
 
@@ -544,8 +581,21 @@ class MultiheadAttention(_CoreMHA):
         new.load_state_dict(m.state_dict(), strict=True)
         return new.train(m.training)
 
+    def pruned(self) -> bool:
+        """Whether :func:`multihead.heads.prune` removed heads (num_heads * head_dim < embed_dim)."""
+        return self.num_heads * self.head_dim != self.embed_dim
+
     def to_torch(self) -> nn.MultiheadAttention:
-        """A ``torch.nn.MultiheadAttention`` with the same flags and exact weights."""
+        """A ``torch.nn.MultiheadAttention`` with the same flags and exact weights.
+
+        Not after :func:`multihead.heads.prune` removed heads: torch needs num_heads * head_dim == embed_dim.
+        """
+        if self.pruned():
+            raise ValueError(
+                f"torch.nn.MultiheadAttention cannot express this module: num_heads*head_dim="
+                f"{self.num_heads}*{self.head_dim} != embed_dim={self.embed_dim} (heads were pruned); keep "
+                f"it as multihead.compat.torch.MultiheadAttention, or revert before pruning"
+            )
         m = nn.MultiheadAttention(self.embed_dim, self.num_heads, **_flags(self))
         m.load_state_dict(self.state_dict(), strict=True)
         return m.train(self.training)

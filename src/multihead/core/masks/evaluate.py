@@ -102,10 +102,10 @@ def _scalar_call(fn: Callable[..., object], kind: str, idx: Index) -> Tensor:
         out = _per_scalar(fn)(*vectors)
     except Exception as err:
         try:  # one point, no vmap: a function that returns a non-tensor or a wrong dtype is named for it
-            point = fn(*(v[0] for v in vectors))
+            point, ran = fn(*(v[0] for v in vectors)), True
         except Exception:
-            point = None
-        if point is not None:
+            point, ran = None, False
+        if ran:
             _checked(point, fn, kind, ())
         raise ValueError(
             f"the {kind} function {fn_name(fn)!r} failed when called as FlexAttention calls it (0-d int "

@@ -228,8 +228,8 @@ def test_alibi_slopes():
     "kw, error, match",
     [
         (dict(mask=lambda b, h, i, j: (j - i).float()), ValueError, "must return a bool tensor"),
-        (dict(bias=lambda b, h, i, j: j >= i), TypeError, "floating-point tensor"),
-        (dict(mask=lambda b, h, i, j: True), TypeError, "must return a torch.Tensor"),
+        (dict(bias=lambda b, h, i, j: j >= i), ValueError, "floating-point tensor"),
+        (dict(mask=lambda b, h, i, j: True), ValueError, "must return a torch.Tensor"),
         (dict(mask=lambda b, h, i, j: torch.ones(5, 7, dtype=torch.bool)), ValueError, "elementwise"),
         (dict(mask=3), TypeError, "or a function"),
         (dict(bias="alibi"), TypeError, "or a function"),

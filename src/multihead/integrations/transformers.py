@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..core import masks as _masks
 from ..heads.naming import register_family
 from ..heads.prune import head_rows
 from ..nn import seam
@@ -359,13 +360,6 @@ def _weights_requested(kwargs: Mapping[str, Any]) -> bool:
     return bool(kwargs.get("output_attentions")) or _recording_attentions()
 
 
-def _window(lq: int, lk: int, window: int, device: torch.device) -> Tensor:
-    """(Lq, Lk) bool: bottom-right aligned causal keys within the last ``window`` positions."""
-    pos = torch.arange(lq, device=device)[:, None] + (lk - lq)  # (Lq, 1) absolute query positions
-    keys = torch.arange(lk, device=device)[None, :]  # (1, Lk)
-    return (keys <= pos) & (keys > pos - window)  # (Lq, Lk)
-
-
 def segments_from_positions(position_ids: Tensor) -> Tensor:
     """(B, L) sequence ids of a packed batch: a new sequence starts where a position does not follow on.
 
@@ -435,9 +429,9 @@ def attention_forward(
         window = kwargs.get("sliding_window")
         if wants_causal and lq > 1 and lk > lq:
             # prefill into an empty static cache: the keys after Lq are future slots (top-left causal)
-            mask = torch.arange(lq, device=query.device)[:, None] >= torch.arange(lk, device=query.device)
+            mask = _masks.causal(lq, lk, diagonal=0, device=query.device)  # (Lq, Lk)
         elif wants_causal and window is not None and lk > window:
-            mask = _window(lq, lk, window, query.device)  # (Lq, Lk)
+            mask = _masks.sliding_window(lq, lk, window=window, device=query.device)  # (Lq, Lk), bottom right
         else:
             causal = bool(wants_causal) and lq > 1
         if wants_causal and lq == lk > 1:

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ...core.attention import AttentionOutput, attention, output_and_weights
-from ...core.masks import combine
+from ...core.masks import causal, combine
 from ...nn import seam
 from ...nn.attention import MultiHeadAttention as _CoreMHA
 from ...nn.attention import map_inputs, merge_heads, split_heads
@@ -328,7 +328,7 @@ class MultiheadAttention(_CoreMHA):
             # which is the library's (bottom-right) causal=True when L == S' (then ring attention serves it).
             if lq == lk + extra:
                 return None, None, True
-            top_left = torch.ones(lq, lk + extra, dtype=torch.bool, device=query.device).tril()  # (L, S')
+            top_left = causal(lq, lk + extra, diagonal=0, device=query.device)  # (L, S')
             return top_left, None, False
         am_keep, am_bias = _keep_and_bias(attn_mask, "attn_mask", query.dtype)
         am = attn_mask

@@ -33,13 +33,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from ..checks import is_int
-from ..masks import MaskFunction, Normalized
+from ..masks import MaskFunction, Normalized, attn_mask, causal, combine, evaluate_block, open_dead_rows
 from ..segments import segment_runs
 from ._common import group_mask, kv_for_cpu_kernel, zero_dead_rows
 from .base import AttentionCall
@@ -114,20 +115,19 @@ class BlockedBackend:
         for i0 in range(0, lq, self.block_q):
             i1 = min(lq, i0 + self.block_q)
             n = i1 - i0
-            spans = list(frame.spans(i0, i1, lk, self.span_k))  # (j0, j1, keep (Bs|1, H|1, n, w) | None)
+            spans = list(frame.spans(i0, i1, lk, self.span_k, q.dtype))  # [_Span]
             if softcap is None and (not grad or (len(spans) == 1 and sinks is None)):
                 qg = q[:, :, i0:i1].reshape(b, hkv, g * n, dk)  # (Bs, Hkv, G*n, Dk), heads stacked
-                block = _fused(qg, k, v, spans, frame, i0, i1, call.scale, sinks, h, grad)
+                block = _fused(qg, k, v, spans, i0, i1, call.scale, sinks, h, grad)
             else:
                 qt = (q[:, :, i0:i1] * factor).reshape(b, hkv, g * n, dk)  # (Bs, Hkv, G*n, Dk)
                 state = _State.start(b, h, n, dv, q, sinks)
-                for j0, j1, keep in spans:
+                for j0, j1, keep, bias in spans:
                     s = torch.matmul(qt, k[:, :, j0:j1].transpose(-2, -1)).view(
                         b, h, n, j1 - j0
                     )  # (Bs, H, n, w)
                     if softcap is not None:
                         s = s.tanh_().mul_(softcap) if not grad else torch.tanh(s) * softcap
-                    bias = frame.bias(i0, i1, j0, j1, q.dtype)  # (Bs|1, H|1, n|1, w|1) or None
                     if bias is not None:
                         s = s.add_(bias) if not grad else s + bias
                     if keep is not None:
@@ -177,41 +177,21 @@ class BlockedBackend:
     def _one_run(self, call: AttentionCall, bi: int, run: Run, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q (1, H, n, Dk) against k/v (1, Hkv, w, D) of one packed sequence -> (1, H, n, Dv)."""
         qs, qe, ks, ke = run
-        frame = replace(_Frame.of(call), b0=bi, b1=bi + 1, q0=qs, k0=ks, segments=None)
+        frame = replace(_Frame.of(call), b0=bi, b1=bi + 1, q0=qs, k0=ks, segments=False)
         if call.softcap is not None or call.sinks is not None:
             return self._tiled(call, frame, q, k, v)
         n, w = qe - qs, ke - ks
-        is_causal = frame.causal and frame.diagonal == 0
-        if is_causal:
-            frame = replace(frame, causal=False)
-        keep = frame.keep(0, n, 0, w)  # (1|1, H|1, n, w) or None
-        bias = frame.bias(0, n, 0, w, q.dtype)
-        if is_causal and (keep is not None or bias is not None):
-            # SDPA before torch 2.13 takes is_causal or a mask, not both: the triangle joins the mask
-            tri = torch.ones(n, w, dtype=torch.bool, device=q.device).tril()  # (n, w), what is_causal means
-            keep, is_causal = (tri if keep is None else keep & tri), False  # (1|1, H|1, n, w)
-        row_ok = None
-        if keep is not None or bias is not None:
-            allowed = (
-                keep
-                if bias is None
-                else (~torch.isneginf(bias) if keep is None else keep & ~torch.isneginf(bias))
-            )
-            assert allowed is not None
-            row_ok = allowed.any(dim=-1, keepdim=True)  # (1|1, H|1, n|1, 1)
-            if bias is not None:
-                bias = bias.masked_fill(~row_ok, 0.0)
-                if keep is not None:
-                    bias = bias.masked_fill(~(keep | ~row_ok), float("-inf"))
-            attn_mask = bias if bias is not None else keep | ~row_ok  # rows that see nothing: re-opened
-        else:
-            attn_mask = None
+        keep, bias = replace(frame, causal=False).tile(0, n, 0, w, q.dtype)  # (1|1, H|1, n|1, w|1) or None
+        is_causal = frame.is_causal and frame.diagonal == 0 and keep is None and bias is None  # native kernel
+        if frame.is_causal and not is_causal:  # the run's own triangle joins its mask
+            keep = combine(keep, causal(n, w, diagonal=frame.diagonal, device=q.device).view(1, 1, n, w))
+        keep, bias, row_ok = open_dead_rows(keep, bias)  # rows that see nothing: re-opened, zeroed below
         k, v = kv_for_cpu_kernel(q, k, v)  # repeated to H heads before torch 2.9 only
         out = F.scaled_dot_product_attention(
             q,
             k,
             v,
-            attn_mask=attn_mask,
+            attn_mask=attn_mask(keep, bias),
             is_causal=is_causal,
             scale=call.scale,
             enable_gqa=k.shape[1] != q.shape[1],
@@ -262,35 +242,63 @@ def _cuts(spans: list[tuple[int, int]], length: int) -> tuple[list[int], list[in
 # ----------------------------------------------------------------------------------------------
 
 
+class _Span(NamedTuple):
+    """Keys j0:j1 of one block of queries, computed together: ``keep`` (Bs|1, H|1, n, w) or ``None`` (all
+    allowed) and ``bias`` (Bs|1, H|1, n|1, w) or ``None``."""
+
+    j0: int
+    j1: int
+    keep: Tensor | None
+    bias: Tensor | None
+
+
 @dataclass
 class _Frame:
-    """Masks of the call restricted to batch rows b0:b1, local query i = global q0 + i, key j = k0 + j."""
+    """Masks of the call restricted to batch rows b0:b1, local query i = global q0 + i, key j = k0 + j.
+
+    ``causal`` (default: the call's) and ``segments`` (default: kept) may be switched off for a packed
+    run, which applies them itself."""
 
     m: Normalized
-    segments: tuple[Tensor, Tensor] | None
-    causal: bool
-    offset: int  # Lk - Lq of the whole call: query i sees keys j <= i + offset when causal
-    heads: int
+    target: tuple[int, int, int, int]  # (B, H, Lq, Lk) of the whole call: tiles are in its indices
     device: torch.device
     b0: int
     b1: int
     q0: int = 0
     k0: int = 0
+    causal: bool | None = None
+    segments: bool = True
 
     @classmethod
     def of(cls, call: AttentionCall) -> _Frame:
-        m, b = call.masks, call.q.shape[0]
-        lq, lk = call.q.shape[2], call.k.shape[2]
-        return cls(m, m.segments, m.causal, lk - lq, call.q.shape[1], call.q.device, 0, b)
+        q = call.q
+        return cls(call.masks, (*q.shape[:3], call.k.shape[2]), q.device, 0, q.shape[0])  # type: ignore[arg-type]
+
+    @property
+    def is_causal(self) -> bool:
+        return self.m.causal if self.causal is None else self.causal
 
     @property
     def diagonal(self) -> int:
         """In local indices, causal lets query i see keys j <= i + diagonal."""
-        return self.q0 + self.offset - self.k0
+        return self.q0 + self.target[3] - self.target[2] - self.k0
 
-    def spans(self, i0: int, i1: int, lk: int, span: int) -> Iterator[tuple[int, int, Tensor | None]]:
-        """For queries i0:i1, the key spans (j0, j1, keep (Bs|1, H|1, n, w) or None = all allowed) to
-        compute: at most ``span`` keys each, with no key that no query of the block may see at either end.
+    def tile(
+        self, i0: int, i1: int, j0: int, j1: int, dtype: torch.dtype, *, keep: bool = True, bias: bool = True
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """(keep (Bs|1, H|1, n|1, w|1), bias (Bs|1, H|1, n|1, w|1)) of local queries i0:i1 and keys j0:j1
+        (:func:`multihead.masks.evaluate_block` on the tile's global indices)."""
+        m = self.m
+        if self.is_causal != m.causal or (not self.segments and m.segments is not None):
+            m = replace(m, causal=self.is_causal, segments=m.segments if self.segments else None)
+        return evaluate_block(
+            m, self.target, slice(self.q0 + i0, self.q0 + i1), slice(self.k0 + j0, self.k0 + j1), dtype,
+            self.device, batch=slice(self.b0, self.b1), keep=keep, bias=bias,
+        )  # fmt: skip
+
+    def spans(self, i0: int, i1: int, lk: int, span: int, dtype: torch.dtype) -> Iterator[_Span]:
+        """For queries i0:i1, the key spans to compute: at most ``span`` keys each, with no key that no
+        query of the block may see at either end.
 
         The mask is evaluated on probes of at most :data:`PROBE` (query, key) pairs: small enough to stay
         in cache and under PyTorch's grain size (no thread pool for them), so a probe that finds nothing
@@ -299,10 +307,10 @@ class _Frame:
         n = i1 - i0
         lo, hi = self.key_range(i0, i1, lk)  # keys outside lo:hi: surely masked, never evaluated
         width = max(1, PROBE // n)
-        start, end, pieces = 0, 0, []  # the span being gathered: keys start:end, its keep pieces
+        start, end, pieces = 0, 0, []  # the span being gathered: keys start:end, its (width, keep, bias)
         for c0 in range(lo, hi, width):
             c1 = min(hi, c0 + width)
-            keep = self.keep(i0, i1, c0, c1)
+            keep, _ = self.tile(i0, i1, c0, c1, dtype, bias=False)
             a, z = 0, c1 - c0
             if keep is not None:
                 cols = keep.reshape(-1, keep.shape[-1]).any(0)  # (w|1,) some query of the block sees key j
@@ -315,84 +323,30 @@ class _Frame:
                 if bool(keep.all()):
                     keep = None
             if pieces and (c0 + a != end or c0 + z - start > span):
-                yield start, end, _joined(pieces)
+                yield self._span(i0, i1, start, end, pieces, dtype)
                 pieces = []
             if not pieces:
                 start = c0 + a
             end = c0 + z
             pieces.append((z - a, keep))
         if pieces:
-            yield start, end, _joined(pieces)
+            yield self._span(i0, i1, start, end, pieces, dtype)
+
+    def _span(self, i0: int, i1: int, j0: int, j1: int, pieces: list[tuple[int, Tensor | None]],
+              dtype: torch.dtype) -> _Span:  # fmt: skip
+        """The span of keys j0:j1 from its probes' (width, keep or None = all allowed), with its bias
+        (evaluated on the span's keys only)."""
+        return _Span(j0, j1, _joined(pieces), self.tile(i0, i1, j0, j1, dtype, keep=False)[1])
 
     def key_range(self, i0: int, i1: int, lk: int) -> tuple[int, int]:
         """Local keys lo:hi outside which queries i0:i1 see nothing: the causal diagonal and the mask
         function's own key range (:meth:`multihead.masks.MaskFunction.key_range`), when it has one."""
-        lo, hi = 0, min(lk, i1 + self.diagonal) if self.causal else lk  # keys past hi: beyond the diagonal
+        lo, hi = 0, min(lk, i1 + self.diagonal) if self.is_causal else lk  # keys past hi: beyond the diagonal
         fn = self.m.mask_fn
         bound = fn.key_range(self.q0 + i0, self.q0 + i1) if isinstance(fn, MaskFunction) else None
         if bound is not None:  # global key indices -> local
             lo, hi = max(lo, bound[0] - self.k0), min(hi, bound[1] - self.k0)
         return lo, max(lo, hi)
-
-    def _index(self, i0: int, i1: int, j0: int, j1: int, device: torch.device) -> tuple[Tensor, ...]:
-        """Global (b, h, q_idx, kv_idx) int64 index tensors of a tile, broadcastable to (Bs, H, n, w)."""
-        bi = torch.arange(self.b0, self.b1, device=device).view(-1, 1, 1, 1)
-        hi = torch.arange(self.heads, device=device).view(1, -1, 1, 1)
-        qi = torch.arange(self.q0 + i0, self.q0 + i1, device=device).view(1, 1, -1, 1)
-        ki = torch.arange(self.k0 + j0, self.k0 + j1, device=device).view(1, 1, 1, -1)
-        return bi, hi, qi, ki
-
-    def _cut(self, t: Tensor, i0: int, i1: int, j0: int, j1: int) -> Tensor:
-        """A dense (B|1, H|1, Lq|1, Lk|1) mask or bias on the tile, broadcast dims kept at size 1."""
-        if t.shape[0] > 1:
-            t = t[self.b0 : self.b1]
-        if t.shape[2] > 1:
-            t = t[:, :, self.q0 + i0 : self.q0 + i1]
-        if t.shape[3] > 1:
-            t = t[:, :, :, self.k0 + j0 : self.k0 + j1]
-        return t
-
-    def keep(self, i0: int, i1: int, j0: int, j1: int) -> Tensor | None:
-        """Bool (Bs|1, H|1, n|1, w|1), True = may attend, of local queries i0:i1 and keys j0:j1 (every
-        piece ANDed); ``None`` when nothing restricts the tile."""
-        m, device = self.m, self.device
-        parts: list[Tensor] = []
-        if m.mask is not None:
-            parts.append(self._cut(m.mask, i0, i1, j0, j1))
-        if self.causal and j1 - 1 > i0 + self.diagonal:  # the tile crosses the diagonal
-            rows = torch.arange(i0, i1, device=device).view(-1, 1) + self.diagonal  # (n, 1)
-            parts.append(
-                (torch.arange(j0, j1, device=device).view(1, -1) <= rows).view(1, 1, i1 - i0, j1 - j0)
-            )
-        if self.segments is not None:
-            qid, kid = self.segments
-            qid = qid[self.b0 : self.b1, self.q0 + i0 : self.q0 + i1, None]  # (Bs, n, 1)
-            kid = kid[self.b0 : self.b1, None, self.k0 + j0 : self.k0 + j1]  # (Bs, 1, w)
-            parts.append(((qid == kid) & (kid >= 0)).unsqueeze(1))  # (Bs, 1, n, w)
-        if m.mask_fn is not None:
-            got = torch.as_tensor(m.mask_fn(*self._index(i0, i1, j0, j1, device)))
-            if got.dtype != torch.bool:
-                raise TypeError(
-                    f"a mask function must return a bool tensor (True = may attend), got dtype {got.dtype}; "
-                    f"return a comparison such as `q_idx >= kv_idx`"
-                )
-            parts.append(got.reshape((1,) * (4 - got.dim()) + tuple(got.shape)))
-        if not parts:
-            return None
-        keep = parts[0]
-        for p in parts[1:]:
-            keep = keep & p
-        return keep
-
-    def bias(self, i0: int, i1: int, j0: int, j1: int, dtype: torch.dtype) -> Tensor | None:
-        """Float (Bs|1, H|1, n|1, w|1) added to the tile's scores, or ``None``."""
-        m = self.m
-        out = self._cut(m.bias, i0, i1, j0, j1) if m.bias is not None else None
-        if m.bias_fn is not None:
-            got = torch.as_tensor(m.bias_fn(*self._index(i0, i1, j0, j1, self.device))).to(dtype)
-            got = got.reshape((1,) * (4 - got.dim()) + tuple(got.shape))
-            out = got if out is None else out + got
-        return out
 
 
 def _joined(pieces: list[tuple[int, Tensor | None]]) -> Tensor | None:
@@ -413,8 +367,8 @@ def _joined(pieces: list[tuple[int, Tensor | None]]) -> Tensor | None:
 # ----------------------------------------------------------------------------------------------
 
 
-def _fused(qg: Tensor, k: Tensor, v: Tensor, spans: list[tuple[int, int, Tensor | None]], frame: _Frame,
-           i0: int, i1: int, scale: float, sinks: Tensor | None, h: int, grad: bool) -> Tensor:  # fmt: skip
+def _fused(qg: Tensor, k: Tensor, v: Tensor, spans: list[_Span], i0: int, i1: int, scale: float,
+           sinks: Tensor | None, h: int, grad: bool) -> Tensor:  # fmt: skip
     """One block of grouped queries qg (Bs, Hkv, G*n, Dk) over its spans, each through PyTorch's fused
     CPU attention kernel with the span's mask and bias as one additive mask -> (Bs, H, n, Dv).
 
@@ -425,19 +379,9 @@ def _fused(qg: Tensor, k: Tensor, v: Tensor, spans: list[tuple[int, int, Tensor 
     n, dv = i1 - i0, v.shape[3]
     acc: Tensor | None = None
     lse: Tensor | None = None
-    for j0, j1, keep in spans:
-        bias = frame.bias(i0, i1, j0, j1, qg.dtype)  # (Bs|1, H|1, n|1, w|1) or None
-        allowed = keep
-        if bias is not None and bool(torch.isneginf(bias).any()):
-            allowed = ~torch.isneginf(bias) if keep is None else keep & ~torch.isneginf(bias)
-        row_ok = None if allowed is None else allowed.any(dim=-1, keepdim=True)  # (Bs|1, H|1, n, 1)
-        if row_ok is not None and bool(row_ok.all()):
-            row_ok = None  # the common case: every row sees a key of this span
-        mask = bias
-        if keep is not None:  # one pass: the bias (or 0) where allowed, -inf elsewhere
-            mask = torch.where(keep, qg.new_zeros(()) if bias is None else bias, float("-inf"))
-        if mask is not None and row_ok is not None:
-            mask = mask.masked_fill(~row_ok, 0.0)  # rows that see nothing here: re-opened, zeroed below
+    for j0, j1, keep, bias in spans:
+        keep, bias, row_ok = open_dead_rows(keep, bias)  # rows that see nothing here: re-opened, zeroed below
+        mask = attn_mask(keep, bias, qg.dtype)  # the bias (or 0) where allowed, -inf elsewhere
         if mask is not None:
             mask = group_mask(mask.expand(*mask.shape[:3], j1 - j0), h, hkv, n)  # (Bs|1, Hkv|1, G*n|1, w)
         kt, vt = k[:, :, j0:j1], v[:, :, j0:j1]  # (Bs, Hkv, w, D)

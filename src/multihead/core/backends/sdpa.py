@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..masks import attn_mask as additive
 from ..masks import causal, materialize, to_bias
 from ._common import DENSE_LIMIT, dense_refusal, kv_for_cpu_kernel, zero_dead_rows
 from .base import AttentionCall
@@ -122,9 +123,7 @@ class SDPABackend:
     def __call__(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         q, k, v = call.q, call.k, call.v
         m = materialize(call.masks, (*q.shape[:3], k.shape[2]), q.dtype, q.device)  # no-op without functions
-        attn_mask: Tensor | None = m.bias  # (B|1, H|1, Lq|1, Lk|1)
-        if m.mask is not None:
-            attn_mask = m.mask if attn_mask is None else attn_mask.masked_fill(~m.mask, float("-inf"))
+        attn_mask = additive(m.mask, m.bias)  # (B|1, H|1, Lq|1, Lk|1) bool or float, or None
         is_causal = m.causal
         if call.sinks is not None:
             k, v, attn_mask = _with_sink_key(q, k, v, attn_mask, is_causal, call.sinks)

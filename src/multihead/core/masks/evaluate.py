@@ -1,0 +1,248 @@
+"""Calling mask and bias functions with FlexAttention's meaning, and the one dead-row helper.
+
+Dimensions: B batch, H query heads, Lq query length, Lk key length, n queries and w keys of a tile.
+
+**What a function means.** FlexAttention calls a ``mask_mod``/``score_mod`` once per (b, h, q_idx, kv_idx),
+each a 0-d int tensor, under ``torch.vmap``; the result for one point is a 0-d tensor. A function written
+with elementwise operations gives the same values when called once on broadcastable index tensors
+(b (B, 1, 1, 1), h (1, H, 1, 1), q_idx (1, 1, n, 1), kv_idx (1, 1, 1, w)), which is much cheaper. Others
+do not: attention-gym's Flamingo mask indexes a captured (images, 2) table with ``kv_idx`` and then takes
+``interval[0]`` -- the first *image* on broadcast indices, the interval's start on a scalar.
+
+So :func:`call_fn` decides per function object, once (:func:`how_to_call`): it evaluates the function
+both ways -- broadcast, and per scalar under nested ``torch.vmap`` exactly as FlexAttention does -- on a
+probe grid (every batch row and head, the first, last and a few middle queries and keys). Only a function
+that succeeds broadcast and gives the same shape-checked values there is called broadcast from then on;
+every other one is called per scalar (vmap), which is FlexAttention's own evaluation. A function that
+fails both ways, or returns something that is not a bool (mask) or floating-point (bias) tensor of the
+tile's shape, raises a ``ValueError`` that names it and what it returned, with the user's exception
+chained.
+
+The probe is a spot check, not a proof: a function that agrees with its scalar meaning on the probe grid
+and disagrees elsewhere would be evaluated wrongly. Functions built from elementwise tensor operations
+and indexing of captured tensors by the index tensors agree everywhere.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from ..checks import broadcastable, is_tracing
+from .dense import index_grid, to_bias
+from .functions import check_callable, fn_name
+
+__all__ = [
+    "DeadRows",
+    "attn_mask",
+    "call_fn",
+    "evaluate_fn",
+    "how_to_call",
+    "open_dead_rows",
+    "probe_fn",
+]
+
+Index = tuple[Tensor, Tensor, Tensor, Tensor]
+
+_MODES: weakref.WeakKeyDictionary[object, bool] = weakref.WeakKeyDictionary()
+"""Per function object: ``True`` = called broadcast, ``False`` = called per scalar under vmap."""
+
+
+def _per_scalar(fn: Callable[..., object]) -> Callable[..., object]:
+    """``fn`` vmapped over 1-D b, h, q_idx, kv_idx vectors -> a (B, H, n, w) result, one call per point
+    (FlexAttention's ``_vmap_for_bhqkv``: kv innermost, b outermost)."""
+    out = fn
+    for dims in ((None, None, None, 0), (None, None, 0, None), (None, 0, None, None), (0, None, None, None)):
+        out = torch.vmap(out, in_dims=dims, out_dims=0)
+    return out
+
+
+def _shape(idx: Index) -> tuple[int, int, int, int]:
+    return tuple(torch.broadcast_shapes(*(i.shape for i in idx)))  # type: ignore[return-value]
+
+
+def _checked(out: object, fn: object, kind: str, shape: tuple[int, int, int, int]) -> Tensor:
+    """What a ``kind`` ("mask" or "bias") function returned for a tile of ``shape``, as a 4-D tensor; a
+    ``ValueError`` naming the function and what it returned if it is not a bool (mask) or floating-point
+    (bias) tensor broadcasting to ``shape``."""
+    name = fn_name(fn)
+    if not isinstance(out, Tensor):
+        raise ValueError(
+            f"the {kind} function {name!r} must return a torch.Tensor, got {type(out).__name__} ({out!r:.60}); "
+            f"build it from the index tensors with elementwise ops, e.g. `kv_idx <= q_idx`"
+        )
+    if kind == "mask" and out.dtype != torch.bool:
+        raise ValueError(
+            f"the mask function {name!r} must return a bool tensor (True = may attend), got dtype "
+            f"{out.dtype}; return a comparison (e.g. `x != 0`), or pass a float result as bias="
+        )
+    if kind == "bias" and not out.is_floating_point():
+        raise ValueError(
+            f"the bias function {name!r} must return a floating-point tensor (added to the scores), got "
+            f"dtype {out.dtype}; convert with `.float()`, or pass a bool result as mask="
+        )
+    if not broadcastable(tuple(out.shape), shape):
+        raise ValueError(
+            f"the {kind} function {name!r} returned shape {tuple(out.shape)} for index tensors that "
+            f"broadcast to {shape}; it must be elementwise in (b, h, q_idx, kv_idx) -- one value per point, e.g. "
+            f"`t[b, h, q_idx, kv_idx]` rather than `t`"
+        )
+    return out.reshape((1,) * (4 - out.dim()) + tuple(out.shape))
+
+
+def _scalar_call(fn: Callable[..., object], kind: str, idx: Index) -> Tensor:
+    """``fn`` on every point of the tile ``idx``, per scalar (FlexAttention's meaning): (B, H, n, w)."""
+    shape = _shape(idx)
+    vectors = [i.reshape(-1) for i in idx]  # (B,), (H,), (n,), (w,)
+    try:
+        out = _per_scalar(fn)(*vectors)
+    except Exception as err:
+        try:  # one point, no vmap: a function that returns a non-tensor or a wrong dtype is named for it
+            point, ran = fn(*(v[0] for v in vectors)), True
+        except Exception:
+            point, ran = None, False
+        if ran:
+            _checked(point, fn, kind, ())
+        raise ValueError(
+            f"the {kind} function {fn_name(fn)!r} failed when called as FlexAttention calls it (0-d int "
+            f"index tensors b, h, q_idx, kv_idx under torch.vmap) on the tile {shape}: "
+            f"{type(err).__name__}: {err}"
+        ) from err
+    return _checked(out, fn, kind, shape)
+
+
+def _probe_index(target: tuple[int, int, int, int], device: torch.device | str | None) -> Index:
+    """Every batch row and head, and at most 6 queries and keys: the first two, the middle, the last two."""
+    b, h, lq, lk = target
+
+    def few(n: int) -> Tensor:
+        return torch.tensor(sorted({0, 1, n // 2, n - 2, n - 1} & set(range(n))), device=device)
+
+    return (
+        torch.arange(b, device=device).view(b, 1, 1, 1),  # (B, 1, 1, 1)
+        torch.arange(h, device=device).view(1, h, 1, 1),  # (1, H, 1, 1)
+        few(lq).view(1, 1, -1, 1),  # (1, 1, n, 1)
+        few(lk).view(1, 1, 1, -1),  # (1, 1, 1, w)
+    )
+
+
+def how_to_call(
+    fn: Callable[..., object], kind: str, target: tuple[int, int, int, int], device: torch.device | str | None
+) -> bool:
+    """Whether ``fn`` may be called on broadcast index tensors (``True``) or must be called per scalar
+    under vmap (``False``), decided on a probe grid of ``target`` the first time this function object is
+    seen (see the module docstring); raises the ``ValueError`` of a function that fails per scalar."""
+    check_callable(fn, kind)
+    try:
+        return _MODES[fn]
+    except (KeyError, TypeError):  # not seen yet, or not weak-referenceable (then probed every call)
+        pass
+    if 0 in target:
+        return True
+    idx = _probe_index(target, device)
+    scalar = _scalar_call(fn, kind, idx)  # FlexAttention's meaning, or a ValueError naming the function
+    try:
+        broad = _checked(fn(*idx), fn, kind, _shape(idx))
+        same = bool((broad.expand(scalar.shape) == scalar).all()) or (
+            kind == "bias" and torch.allclose(broad.expand(scalar.shape), scalar, equal_nan=True)
+        )
+    except Exception:  # fails on broadcast index tensors: it is called per scalar
+        same = False
+    try:
+        _MODES[fn] = same
+    except TypeError:
+        pass
+    return same
+
+
+def call_fn(fn: Callable[..., object], kind: str, idx: Index, broadcast: bool | None = None) -> Tensor:
+    """A ``kind`` ("mask" or "bias") function on the tile of index tensors ``idx`` (broadcastable to
+    (B, H, n, w)), with FlexAttention's meaning: (B|1, H|1, n|1, w|1) bool or float.
+
+    ``broadcast``: how to call it (:func:`how_to_call`); ``None`` = as decided for this function before,
+    or per scalar if it was never probed. Errors are ``ValueError`` naming the function, chaining its own.
+    """
+    if broadcast is None:
+        try:
+            broadcast = _MODES.get(fn, False)
+        except TypeError:
+            broadcast = False
+    if not broadcast:
+        return _scalar_call(fn, kind, idx)
+    try:
+        out = fn(*idx)
+    except Exception as err:
+        raise ValueError(
+            f"the {kind} function {fn_name(fn)!r} failed on the index tensors of the tile {_shape(idx)}: "
+            f"{type(err).__name__}: {err}"
+        ) from err
+    return _checked(out, fn, kind, _shape(idx))
+
+
+def probe_fn(
+    fn: object, target: tuple[int, int, int, int], kind: str, device: torch.device | str | None
+) -> bool:
+    """Check ``fn`` is a ``kind`` function that works on ``target`` (a clear error before any kernel runs)
+    and decide how it is called; costs a probe grid of B*H*36 points, never (Lq, Lk)."""
+    return how_to_call(fn, kind, target, device)  # type: ignore[arg-type]
+
+
+def evaluate_fn(
+    fn: Callable[..., object],
+    target: tuple[int, int, int, int],
+    kind: str,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """A mask or bias function evaluated on the full grid: (B|1, H|1, Lq|1, Lk|1) bool or float.
+
+    ``kind`` is "mask" or "bias" (what the result is checked to be). This builds (Lq, Lk) entries;
+    backends do it only at lengths where that is acceptable (see :func:`materialize`).
+    """
+    broadcast = how_to_call(fn, kind, target, device)
+    return call_fn(fn, kind, index_grid(target, device), broadcast)
+
+
+class DeadRows(NamedTuple):
+    """``keep`` and ``bias`` with the query rows that allow no key re-opened (so a kernel never sees an all
+    ``-inf`` row and gradients stay finite), and ``row_ok`` (B|1, H|1, n|1, 1), ``False`` on those rows
+    (their output is multiplied by it -> 0), or ``None`` when every row allows a key."""
+
+    keep: Tensor | None
+    bias: Tensor | None
+    row_ok: Tensor | None
+
+
+def open_dead_rows(keep: Tensor | None, bias: Tensor | None, *, always: bool = False) -> DeadRows:
+    """The one treatment of rows with no allowed key: a row is dead when ``keep`` forbids, or ``bias``
+    puts ``-inf`` on, every key. Those rows are re-opened (``keep`` True, ``bias`` 0) and reported in
+    ``row_ok``. ``row_ok`` is ``None`` if no row is dead, checked on the host unless tracing (``always``:
+    keep the ``row_ok`` tensor, no host sync)."""
+    if keep is None and bias is None:
+        return DeadRows(None, None, None)
+    allowed = keep
+    if bias is not None:
+        finite = ~torch.isneginf(bias)
+        allowed = finite if allowed is None else allowed & finite
+    assert allowed is not None
+    row_ok = allowed.any(dim=-1, keepdim=True)  # (B|1, H|1, n|1, 1)
+    if not always and not is_tracing() and allowed.device.type == "cpu" and bool(row_ok.all()):
+        return DeadRows(keep, bias, None)  # the common case: nothing to patch
+    if keep is not None:
+        keep = keep | ~row_ok
+    if bias is not None:
+        bias = bias.masked_fill(~row_ok, 0.0)
+    return DeadRows(keep, bias, row_ok)
+
+
+def attn_mask(keep: Tensor | None, bias: Tensor | None, dtype: torch.dtype | None = None) -> Tensor | None:
+    """``keep`` and ``bias`` as one ``attn_mask`` for a fused kernel: the bias (or 0) where kept, ``-inf``
+    elsewhere; the bool ``keep`` itself when there is no bias and no ``dtype`` asks for a float mask."""
+    if keep is None:
+        return bias
+    if bias is None:
+        return keep if dtype is None else to_bias(keep, dtype)
+    return bias.masked_fill(~keep, float("-inf"))

@@ -32,12 +32,13 @@ skip the key blocks (or the query rows) that the causal mask hides entirely.
 """
 
 from .launch import launch
-from .modules import ShardedAttention, sharded_attention, use_process_group
+from .modules import RingAttention, ShardedAttention, sharded_attention, use_process_group
 from .ring import ring_attention
 from .sharding import LAYOUTS, causal_work, gather_sequence, shard, unshard
 
 __all__ = [
     "LAYOUTS",
+    "RingAttention",
     "ShardedAttention",
     "causal_work",
     "gather_sequence",

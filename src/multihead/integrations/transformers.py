@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..core.options import AttentionOptions
 from ..heads.naming import register_family
 from ..heads.prune import head_rows
 from ..nn import seam
@@ -464,11 +465,7 @@ def attention_forward(
             f"sink logit per query head, shape ({query.shape[1]},) (gpt-oss's s_aux); run this model with "
             f"attn_implementation='eager'"
         )
-    heads, weights = seam.attend(
-        module,  # type: ignore[arg-type]
-        query,
-        key,
-        value,
+    options = AttentionOptions(
         mask=mask,
         bias=bias,
         causal=causal,
@@ -478,7 +475,9 @@ def attention_forward(
         softcap=kwargs.get("softcap"),
         sinks=sinks,
         return_weights=_weights_requested(kwargs),
-    )  # (B, H, Lq, D), (B, H, Lq, Lk) | None
+    )
+    heads, weights = seam.attend(module, query, key, value, options)  # type: ignore[arg-type]
+    # (B, H, Lq, D), (B, H, Lq, Lk) | None
     return heads.transpose(1, 2).contiguous(), weights  # (B, Lq, H, D)
 
 

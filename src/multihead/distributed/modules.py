@@ -27,8 +27,16 @@ from ..nn.attention import MultiHeadAttention
 from ..nn.seam import check_positions
 from .ring import ring_attention
 from .sharding import check_layout
+from .ulysses import ulysses_attention
 
-__all__ = ["RingAttention", "ShardedAttention", "key_mask_of", "sharded_attention", "use_process_group"]
+__all__ = [
+    "RingAttention",
+    "ShardedAttention",
+    "UlyssesAttention",
+    "key_mask_of",
+    "sharded_attention",
+    "use_process_group",
+]
 
 
 def key_mask_of(mask: Any, q: Tensor, k: Tensor) -> Tensor | None:
@@ -66,23 +74,15 @@ class ShardedAttention(OptionsAttention):
     sharded: ClassVar[bool] = True  # read by multihead.nn.seam: positions (rotary, KV cache) are per rank
 
     def why_not(self, q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions) -> Iterator[str]:
-        if options.bias is not None:
-            yield "bias= (a float bias over all keys) is not supported"
-        if options.dropout:
-            yield f"dropout={options.dropout} is not supported: set the module's dropout to 0 or call .eval()"
         if options.return_weights:
             yield "return_weights=True is not supported: the full weights never exist on one rank"
-        try:
-            key_mask_of(options.mask, q, k)
-        except ValueError as exc:
-            yield str(exc)
 
 
 @dataclass(frozen=True)
 class RingAttention(ShardedAttention):
     """Ring attention over ``group`` (:func:`~multihead.distributed.ring_attention`), as an ``attention_fn``.
 
-    Serves ``causal``, ``valid_lens``, ``scale`` and a key-padding ``mask``; ``backend`` is ignored (each
+    Serves ``causal``, ``valid_lens``, ``segment_ids``, ``scale`` and a key-padding ``mask``; ``backend`` is ignored (each
     block step is the ring's own).
     """
 
@@ -90,9 +90,14 @@ class RingAttention(ShardedAttention):
 
     def why_not(self, q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions) -> Iterator[str]:
         yield from super().why_not(q, k, v, options)
-        for name in ("segment_ids", "softcap", "sinks"):
+        if options.bias is not None:
+            yield "bias= (a float bias over all keys) is not supported"
+        if options.dropout:
+            yield f"dropout={options.dropout} is not supported: set the module's dropout to 0 or call .eval()"
+        for name in ("softcap", "sinks"):
             if getattr(options, name) is not None:
-                yield f"{name}= is not supported by ring attention"
+                yield f"{name}= is not supported by ring attention (ulysses attention serves it)"
+        yield from _key_mask_problem(options.mask, q, k)
 
     def serve(self, q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions, backend: str) -> Tensor:
         del backend
@@ -105,7 +110,59 @@ class RingAttention(ShardedAttention):
             layout=self.layout,
             valid_lens=options.valid_lens,
             key_mask=key_mask_of(options.mask, q, k),
+            segment_ids=options.segment_ids,
             scale=options.scale,
+        )
+
+
+def _key_mask_problem(mask: Any, q: Tensor, k: Tensor) -> Iterator[str]:
+    try:
+        key_mask_of(mask, q, k)
+    except ValueError as exc:
+        yield str(exc)
+
+
+def _is_function(x: Any) -> bool:
+    return callable(x) and not isinstance(x, Tensor) and type(x).__name__ != "BlockMask"
+
+
+@dataclass(frozen=True)
+class UlyssesAttention(ShardedAttention):
+    """Ulysses attention over ``group`` (:func:`~multihead.distributed.ulysses_attention`), as an
+    ``attention_fn``: all-to-all to head shards, the module's ``backend`` on the whole sequence, and back.
+
+    Serves ``causal``, ``valid_lens``, ``segment_ids``, ``softcap``, ``sinks``, ``scale``, ``dropout``, a
+    key-padding ``mask``, and ``mask``/``bias`` *functions* of global positions.
+    """
+
+    name: ClassVar[str] = "ulysses attention over a process group"
+
+    def why_not(self, q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions) -> Iterator[str]:
+        yield from super().why_not(q, k, v, options)
+        if options.bias is not None and not _is_function(options.bias):
+            yield "bias= as a tensor is per rank; pass a function fn(b, h, q_idx, kv_idx) of global positions"
+        if not _is_function(options.mask):
+            yield from _key_mask_problem(options.mask, q, k)
+
+    def serve(self, q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions, backend: str) -> Tensor:
+        fn = _is_function(options.mask)
+        return ulysses_attention(
+            q,
+            k,
+            v,
+            causal=options.causal,
+            group=self.group,
+            layout=self.layout,
+            valid_lens=options.valid_lens,
+            key_mask=None if fn else key_mask_of(options.mask, q, k),
+            segment_ids=options.segment_ids,
+            scale=options.scale,
+            softcap=options.softcap,
+            sinks=options.sinks,
+            mask=options.mask if fn else None,
+            bias=options.bias,
+            dropout=options.dropout,
+            backend=backend,
         )
 
 

@@ -432,7 +432,7 @@ def test_process_group_rejects_rotary_at_install():
     assert not any(isinstance(m.attention_fn, mhd.ShardedAttention) for m in model)  # all or nothing
     with pytest.raises(ValueError, match="sharded sequences cannot use rotary"):
         mh.MultiHeadAttention(
-            16, 2, rotary=True, attention_fn=mhd.ShardedAttention(object(), "zigzag", mh.attention)
+            16, 2, rotary=True, attention_fn=mhd.RingAttention(object(), "zigzag", mh.attention)
         )
 
 

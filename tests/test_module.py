@@ -1,5 +1,7 @@
 """MultiHeadAttention: shapes, GQA, fused projections and exact parity with torch.nn.MultiheadAttention."""
 
+import inspect
+
 import pytest
 import torch
 from torch import nn
@@ -184,16 +186,9 @@ def test_attention_fn_gets_the_heads_and_every_keyword():
     assert eval_kw["mask"] is mask and eval_kw["bias"] is bias and eval_kw["valid_lens"] is lens
     assert eval_kw["causal"] is True and eval_kw["return_weights"] is True and eval_kw["backend"] == "auto"
     assert eval_kw["dropout"] == 0.0 and train_kw["dropout"] == 0.25  # attention dropout only in training
-    assert set(eval_kw) == {
-        "mask",
-        "bias",
-        "valid_lens",
-        "causal",
-        "scale",
-        "dropout",
-        "return_weights",
-        "backend",
-    }
+    # every keyword of multihead.attention, None-valued ones included (the seam drops none)
+    assert set(eval_kw) == set(inspect.signature(mh.attention).parameters) - {"q", "k", "v"}
+    assert eval_kw["segment_ids"] is None and eval_kw["softcap"] is None and eval_kw["sinks"] is None
 
 
 def test_attention_fn_result_is_what_the_module_uses():

@@ -12,7 +12,7 @@ Order of operations: scale -> softcap -> + bias -> masks -> softmax (sinks in th
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -20,32 +20,20 @@ from torch import Tensor
 from . import backends as _backends
 from . import masks as _masks
 from .checks import check_dropout, check_scale, check_softcap
+from .options import AttentionOptions, AttentionOutput, options_of, output_and_weights
 
 __all__ = [
+    "AttentionOptions",
     "AttentionOutput",
     "attention",
     "attention_reference",
+    "attention_with",
     "check_sinks",
     "explain_backends",
     "output_and_weights",
+    "prepare",
+    "reference_with",
 ]
-
-
-class AttentionOutput(NamedTuple):
-    """``output`` (B, H, Lq, Dv) -- or (B, Lq, E) from a module -- and per-head ``weights`` (B, H, Lq, Lk).
-
-    ``weights`` are the softmax probabilities *before* dropout (the attention distribution itself).
-    """
-
-    output: Tensor
-    weights: Tensor
-
-
-def output_and_weights(res: Tensor | AttentionOutput) -> tuple[Tensor, Tensor | None]:
-    """``attention(...)``'s result as ``(output, weights or None)``: the one place the union is unpacked."""
-    if isinstance(res, AttentionOutput):
-        return res.output, res.weights
-    return res, None
 
 
 def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
@@ -114,31 +102,22 @@ def check_sinks(sinks: Tensor | None, q: Tensor) -> Tensor | None:
 
 
 def prepare(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    mask: Tensor | _masks.MaskFn | None = None,
-    bias: Tensor | _masks.BiasFn | None = None,
-    valid_lens: Tensor | None = None,
-    causal: bool = False,
-    segment_ids: Tensor | tuple[Tensor, Tensor] | None = None,
-    softcap: float | None = None,
-    sinks: Tensor | None = None,
-    scale: float | None = None,
-    dropout: float = 0.0,
-    return_weights: bool = False,
+    q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions | None = None, /, **keywords: Any
 ) -> _backends.AttentionCall:
-    """Validate an attention call and normalise its masks into an :class:`~multihead.backends.AttentionCall`."""
+    """Validate an attention call and normalise its masks into an :class:`~multihead.backends.AttentionCall`.
+
+    The options come as one :class:`AttentionOptions` record or as :func:`attention`'s keywords.
+    """
+    options = options_of(options, keywords)
     check_qkv(q, k, v)
     target = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])  # (B, H, Lq, Lk)
     norm = _masks.normalize(
         target,
-        mask=mask,
-        bias=bias,
-        valid_lens=valid_lens,
-        causal=bool(causal),
-        segment_ids=segment_ids,
+        mask=options.mask,
+        bias=options.bias,
+        valid_lens=options.valid_lens,
+        causal=bool(options.causal),
+        segment_ids=options.segment_ids,
         dtype=q.dtype,
         device=q.device,
     )
@@ -147,12 +126,26 @@ def prepare(
         k,
         v,
         norm,
-        check_scale(scale, q.shape[-1]),
-        check_dropout(dropout),
-        bool(return_weights),
-        softcap=check_softcap(softcap),
-        sinks=check_sinks(sinks, q),
+        check_scale(options.scale, q.shape[-1]),
+        check_dropout(options.dropout),
+        bool(options.return_weights),
+        softcap=check_softcap(options.softcap),
+        sinks=check_sinks(options.sinks, q),
     )
+
+
+def attention_with(
+    q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions, backend: str = "auto"
+) -> Tensor | AttentionOutput:
+    """:func:`attention` with its options as one record (what the layers below the public API pass)."""
+    call = prepare(q, k, v, options)
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str ('auto', {', '.join(map(repr, _backends.available()))})")
+    out, weights = _backends.select(call, backend)(call)
+    if call.return_weights:
+        assert weights is not None
+        return AttentionOutput(out, weights)
+    return out
 
 
 def attention(
@@ -223,34 +216,14 @@ def attention(
     Equals ``softmax(softcap(q @ k^T * scale) + bias, masked) @ v`` with K/V repeated H // Hkv times;
     see :func:`attention_reference`.
     """
-    call = prepare(
-        q,
-        k,
-        v,
-        mask=mask,
-        bias=bias,
-        valid_lens=valid_lens,
-        causal=causal,
-        segment_ids=segment_ids,
-        softcap=softcap,
-        sinks=sinks,
-        scale=scale,
-        dropout=dropout,
-        return_weights=return_weights,
-    )
-    if not isinstance(backend, str):
-        raise TypeError(f"backend must be a str ('auto', {', '.join(map(repr, _backends.available()))})")
-    out, weights = _backends.select(call, backend)(call)
-    if return_weights:
-        assert weights is not None
-        return AttentionOutput(out, weights)
-    return out
+    options = AttentionOptions.pick(locals())  # the ten keywords above, as one record
+    return attention_with(q, k, v, options, backend)
 
 
 def explain_backends(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> dict[str, list[str]]:
     """For the call ``attention(q, k, v, **kwargs)``: each backend and why it cannot serve it ([] = it can)."""
     kwargs.pop("backend", None)
-    return _backends.explain(prepare(q, k, v, **kwargs))  # type: ignore[arg-type]
+    return _backends.explain(prepare(q, k, v, **kwargs))
 
 
 def attention_reference(
@@ -276,6 +249,15 @@ def attention_reference(
     the whole mask, and applies softmax directly (a sink is one more column of the softmax that is
     dropped afterwards); nothing clever.
     """
+    options = AttentionOptions.pick(locals())  # the ten keywords above, as one record
+    return reference_with(q, k, v, options)
+
+
+def reference_with(q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions) -> Tensor | AttentionOutput:
+    """:func:`attention_reference` with its options as one record."""
+    mask, bias, valid_lens, causal = options.mask, options.bias, options.valid_lens, options.causal
+    segment_ids, softcap, sinks, scale = options.segment_ids, options.softcap, options.sinks, options.scale
+    dropout, return_weights = options.dropout, options.return_weights
     check_qkv(q, k, v)
     b, h, lq, dk = q.shape
     hkv, lk = k.shape[1], k.shape[2]

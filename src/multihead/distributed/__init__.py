@@ -32,19 +32,24 @@ skip the key blocks (or the query rows) that the causal mask hides entirely.
 """
 
 from .launch import launch
-from .modules import ShardedAttention, sharded_attention, use_process_group
+from .modules import RingAttention, ShardedAttention, UlyssesAttention, sharded_attention, use_process_group
 from .ring import ring_attention
 from .sharding import LAYOUTS, causal_work, gather_sequence, shard, unshard
+from .ulysses import head_split, ulysses_attention
 
 __all__ = [
     "LAYOUTS",
+    "RingAttention",
     "ShardedAttention",
+    "UlyssesAttention",
     "causal_work",
     "gather_sequence",
+    "head_split",
     "launch",
     "ring_attention",
     "shard",
     "sharded_attention",
     "unshard",
+    "ulysses_attention",
     "use_process_group",
 ]

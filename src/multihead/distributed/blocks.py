@@ -47,6 +47,7 @@ __all__ = [
     "make_block",
     "merge_into",
     "prepare",
+    "shares_ids",
 ]
 
 KERNELS = ("auto", "flash", "math")
@@ -151,12 +152,14 @@ def make_block(
     *,
     valid_lens: Tensor | None,
     key_mask: Tensor | None,
+    segments: tuple[Tensor, Tensor] | None = None,
     device: torch.device,
 ) -> Block:
     """The block of a visible ``region`` with its masks.
 
     ``k_pos`` (m_s,) global positions of the shard's keys; ``valid_lens`` (B,) or (B, Lq) global key
-    counts; ``key_mask`` bool (B, m_s), True = real key.
+    counts; ``key_mask`` bool (B, m_s), True = real key; ``segments`` (q_ids (B, Lq), kv_ids (B, m_s)):
+    a query sees only keys of its own id, none with a negative id.
     """
     rows, cols = region.rows, region.cols
     staircase = None
@@ -171,7 +174,21 @@ def make_block(
         valid = k_seen < vl[..., None]  # (B, m) | (B, n, m)
         valid = valid[:, None, None] if vl.dim() == 1 else valid[:, None]  # (B, 1, 1|n, m)
     pad = None if key_mask is None else key_mask[:, None, None, cols]  # (B, 1, 1, m)
-    return Block(rows, cols, _masks.combine(staircase, valid, pad), region.triangle)
+    same = None
+    if segments is not None:
+        q_ids, kv_ids = segments[0][:, rows], segments[1][:, cols]  # (B, n), (B, m)
+        same = _masks.segment_mask(q_ids, kv_ids)  # (B, 1, n, m)
+    return Block(rows, cols, _masks.combine(staircase, valid, pad, same), region.triangle)
+
+
+def shares_ids(q_ids: Tensor, kv_ids: Tensor) -> bool:
+    """Whether some query of ``q_ids`` (B, n) may see some key of ``kv_ids`` (B, m): a shared id >= 0 in
+    one batch row. O((n + m) log m), without the (n, m) comparison a block mask makes."""
+    width = int(torch.maximum(q_ids.max(), kv_ids.max()).clamp_min(0)) + 1
+    row = torch.arange(q_ids.shape[0], device=q_ids.device)[:, None] * width  # (B, 1): rows kept apart
+    q = torch.where(q_ids >= 0, q_ids + row, -1)  # (B, n)
+    k = torch.where(kv_ids >= 0, kv_ids + row, -2)  # (B, m): padding meets nothing
+    return bool(torch.isin(q, k).any())
 
 
 def _full_keep(blk: Block) -> Tensor | None:

@@ -19,250 +19,29 @@ alternate (one in flight, one in use), so a step allocates only what the block k
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..core import masks as _masks
-from ..core.attention import check_qkv
-from ..core.checks import check_scale
+from .agree import Plan, Shard, make_plan
 from .blocks import (
-    KERNELS,
     Block,
     BlockInputs,
     Grads,
     SoftmaxState,
     block_backward,
     block_forward,
-    choose_kernel,
-    make_block,
     merge_into,
     prepare,
 )
-from .sharding import LAYOUTS, check_layout, positions_from_lengths, visible_region
 
 __all__ = ["ring_attention"]
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # P2P tags: K, V, the key mask, dK and dV may all be in flight between the same two ranks at once
-_TAG_K, _TAG_V, _TAG_MASK, _TAG_DK, _TAG_DV = 1, 2, 3, 4, 5
-
-
-# ----------------------------------------------------------------------------------------------
-# The plan of one call: every rank's shapes and positions, agreed by one small all-gather
-# ----------------------------------------------------------------------------------------------
-
-
-class Meta(NamedTuple):
-    """One rank's view of a call, as integers (one row of the all-gathered table)."""
-
-    ok: int  # 0: this rank's own inputs were rejected (it raises its own error)
-    batch: int
-    heads: int
-    kv_heads: int
-    dk: int
-    dv: int
-    lq: int  # this rank's query length (may differ between ranks)
-    lk: int  # this rank's key length (may differ between ranks)
-    dtype: int  # index in _DTYPES
-    causal: int
-    layout: int  # index in LAYOUTS
-    key_mask: int
-    valid_lens: int  # 0: none, 1: (B,), 2: (B, Lq)
-    kernel: int  # index in KERNELS, as requested
-
-
-_PER_RANK = ("lq", "lk")  # fields that may differ between ranks
-
-
-@dataclass(frozen=True, kw_only=True)
-class Plan:
-    """Everything a rank needs to run its steps; identical in shape on every rank."""
-
-    group: Any
-    rank: int
-    world: int
-    next_peer: int  # global rank of r + 1 (we send to it)
-    prev_peer: int  # global rank of r - 1 (we receive from it)
-    q_pos: Tensor  # (Lq,) global positions of this rank's queries, on CPU
-    k_pos: list[Tensor]  # P tensors (m_s,): global positions of rank s's keys, on CPU
-    batch: int
-    kv_heads: int
-    dk: int
-    dv: int
-    causal_offset: int | None  # Lk_total - Lq_total (bottom-right causal), None when not causal
-    scale: float
-    valid_lens: Tensor | None  # (B,) or (B, Lq): global key counts
-    has_key_mask: bool
-    kernel: str  # "flash" or "math" (see blocks.choose_kernel)
-    compute_dtype: torch.dtype  # the dtype blocks compute and accumulate in
-
-    def src(self, step: int) -> int:
-        """Rank whose key/value shard this rank holds at ``step``."""
-        return (self.rank - step) % self.world
-
-    def kv_shape(self, src: int, d: int) -> tuple[int, int, int, int]:
-        """(B, Hkv, m_src, d): the shape of rank ``src``'s keys (d = Dk) or values (d = Dv)."""
-        return (self.batch, self.kv_heads, len(self.k_pos[src]), d)
-
-    def block(self, src: int, key_mask: Tensor | None, device: torch.device) -> Block | None:
-        """Region and masks of this rank's queries x rank ``src``'s keys; None if nothing is visible."""
-        region = visible_region(self.q_pos, self.k_pos[src], self.causal_offset)
-        if region is None:
-            return None
-        return make_block(
-            region, self.k_pos[src], valid_lens=self.valid_lens, key_mask=key_mask, device=device
-        )
-
-
-def _comm_device(group: Any, like: object) -> torch.device:
-    if isinstance(like, Tensor):
-        return like.device
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _local_meta(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    causal: bool,
-    layout: str,
-    valid_lens: Tensor | None,
-    key_mask: Tensor | None,
-    block_kernel: str,
-) -> Meta:
-    """This rank's :class:`Meta`; raises what is wrong with its own inputs."""
-    check_qkv(q, k, v)
-    check_layout(layout)
-    if block_kernel not in KERNELS:
-        raise ValueError(f"block_kernel must be one of {KERNELS}, got {block_kernel!r}")
-    (b, h, lq, dk), (_, hkv, lk, dv) = q.shape, v.shape
-    if q.dtype not in _DTYPES:
-        raise TypeError(f"ring_attention supports dtypes {_DTYPES}, got {q.dtype}")
-    if valid_lens is not None:
-        _masks.check_valid_lens(valid_lens, b, lq)
-    if key_mask is not None and (
-        not isinstance(key_mask, Tensor) or key_mask.dtype != torch.bool or tuple(key_mask.shape) != (b, lk)
-    ):
-        got = (tuple(key_mask.shape), key_mask.dtype) if isinstance(key_mask, Tensor) else type(key_mask)
-        raise ValueError(
-            f"key_mask must be a bool tensor of shape (B, Lk) = {(b, lk)} (this rank's keys, True = real "
-            f"key), got {got}; build it with `shard(keep, 1, rank, world, layout)` from a (B, L) bool mask"
-        )
-    return Meta(
-        ok=1,
-        batch=b,
-        heads=h,
-        kv_heads=hkv,
-        dk=dk,
-        dv=dv,
-        lq=lq,
-        lk=lk,
-        dtype=_DTYPES.index(q.dtype),
-        causal=int(bool(causal)),
-        layout=LAYOUTS.index(layout),
-        key_mask=int(key_mask is not None),
-        valid_lens=0 if valid_lens is None else valid_lens.dim(),
-        kernel=KERNELS.index(block_kernel),
-    )
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Blocks compute and accumulate half precision in float32, the rest in its own dtype."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
-def make_plan(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    causal: bool,
-    group: Any,
-    layout: str,
-    valid_lens: Tensor | None,
-    key_mask: Tensor | None,
-    scale: float | None,
-    block_kernel: str = "auto",
-) -> Plan:
-    """Validate the call on every rank at once; all ranks raise the same kind of error, none hangs."""
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
-            "ring_attention needs an initialized torch.distributed process group: call "
-            "torch.distributed.init_process_group(...) in every process (or start them with "
-            "multihead.distributed.launch / torchrun), or use multihead.attention in a single process"
-        )
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    error: Exception | None = None
-    try:
-        meta = _local_meta(
-            q,
-            k,
-            v,
-            causal=causal,
-            layout=layout,
-            valid_lens=valid_lens,
-            key_mask=key_mask,
-            block_kernel=block_kernel,
-        )
-        scale = check_scale(scale, q.shape[-1])
-    except (TypeError, ValueError) as exc:
-        error, meta = exc, Meta(*([0] * len(Meta._fields)))
-    mine = torch.tensor(meta, dtype=torch.long, device=_comm_device(group, q))  # (len(Meta),)
-    every = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine, group=group)
-    table = [Meta(*row) for row in torch.stack(every).tolist()]  # P rows, identical on every rank
-    if error is not None:
-        raise error
-    bad = [s for s, row in enumerate(table) if not row.ok]
-    if bad:
-        raise RuntimeError(f"ring_attention: rank(s) {bad} rejected their inputs (their own error says why)")
-    names = {"batch": "B", "heads": "H", "kv_heads": "Hkv", "dk": "Dk", "dv": "Dv"}
-    for field in Meta._fields:
-        values = [getattr(row, field) for row in table]
-        if field not in _PER_RANK and len(set(values)) > 1:
-            raise ValueError(
-                f"ring_attention: every rank must pass the same {names.get(field, field)}; ranks "
-                f"0..{world - 1} gave {values}"
-            )
-    lq_all, lk_all = [row.lq for row in table], [row.lk for row in table]
-    if min(lq_all) == 0 or min(lk_all) == 0:
-        raise ValueError(
-            f"ring_attention: every rank needs at least one query and one key, got local lengths "
-            f"Lq {lq_all}, Lk {lk_all}; use fewer ranks or a longer sequence"
-        )
-    q_pos = positions_from_lengths(lq_all, layout, "ring_attention (queries)")[rank]
-    k_pos = positions_from_lengths(lk_all, layout, "ring_attention (keys)")
-    get_global = functools.partial(dist.get_global_rank, group) if group is not None else (lambda r: r)
-    mine_meta = table[rank]
-    compute = _compute_dtype(q.dtype)
-    return Plan(
-        group=group,
-        rank=rank,
-        world=world,
-        next_peer=get_global((rank + 1) % world),
-        prev_peer=get_global((rank - 1) % world),
-        q_pos=q_pos,
-        k_pos=k_pos,
-        batch=mine_meta.batch,
-        kv_heads=mine_meta.kv_heads,
-        dk=mine_meta.dk,
-        dv=mine_meta.dv,
-        causal_offset=sum(lk_all) - sum(lq_all) if causal else None,
-        scale=scale,
-        valid_lens=valid_lens,
-        has_key_mask=key_mask is not None,
-        kernel=choose_kernel(block_kernel, q.device, compute, mine_meta.dk, mine_meta.dv),
-        compute_dtype=compute,
-    )
+_TAG_K, _TAG_V, _TAG_MASK, _TAG_DK, _TAG_DV, _TAG_IDS = 1, 2, 3, 4, 5, 6
 
 
 # ----------------------------------------------------------------------------------------------
@@ -324,23 +103,28 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def _kv_relay(plan: Plan, k: Tensor, v: Tensor, key_mask: Tensor | None) -> tuple[_Relay, list[Tensor]]:
-    """The relay of K, V (and the key mask, as uint8) in their own dtype, and this rank's own messages."""
+    """The relay of K, V (the key mask as uint8, the keys' segment ids) and this rank's own messages."""
 
     def shapes(src: int) -> list[tuple[int, ...]]:
         m = len(plan.k_pos[src])
         own = [plan.kv_shape(src, plan.dk), plan.kv_shape(src, plan.dv)]
-        return own + ([(plan.batch, m)] if plan.has_key_mask else [])
+        return own + [(plan.batch, m)] * (plan.has_key_mask + (plan.kv_ids is not None))
 
     dtypes = (k.dtype, v.dtype) + ((torch.uint8,) if plan.has_key_mask else ())
+    tags = (_TAG_K, _TAG_V) + ((_TAG_MASK,) if plan.has_key_mask else ())
     mine = [k.contiguous(), v.contiguous()]
     if key_mask is not None:
         mine.append(key_mask.contiguous().view(torch.uint8))  # (B, Lk): gloo sends no bool
-    return _Relay(plan, shapes, dtypes, (_TAG_K, _TAG_V, _TAG_MASK), k.device), mine
+    if plan.kv_ids is not None:
+        dtypes, tags = dtypes + (torch.int64,), tags + (_TAG_IDS,)
+        mine.append(plan.kv_ids.contiguous())  # (B, Lk)
+    return _Relay(plan, shapes, dtypes, tags, k.device), mine
 
 
-def _unpack(msg: list[Tensor]) -> tuple[Tensor, Tensor, Tensor | None]:
-    k, v = msg[0], msg[1]
-    return k, v, (msg[2].view(torch.bool) if len(msg) > 2 else None)
+def _unpack(msg: list[Tensor], plan: Plan) -> Shard:
+    k, v, rest = msg[0], msg[1], msg[2:]
+    key_mask = rest.pop(0).view(torch.bool) if plan.has_key_mask else None
+    return Shard(k, v, key_mask, rest[0] if plan.kv_ids is not None else None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -356,12 +140,15 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None, plan
     state: SoftmaxState | None = None
     for step in range(plan.world):
         src = plan.src(step)
-        kb, vb, mb = _unpack(msg)
+        shard = _unpack(msg, plan)
         nxt = relay.start(msg, step % 2, plan.src(step + 1)) if step < plan.world - 1 else None
-        blk = plan.block(src, mb, q.device)
+        blk = plan.block(src, shard, q.device)
         if blk is not None:
             part = block_forward(
-                BlockInputs(qa, prepare(kb, dtype), prepare(vb, dtype)), blk, plan.scale, plan.kernel
+                BlockInputs(qa, prepare(shard.k, dtype), prepare(shard.v, dtype)),
+                blk,
+                plan.scale,
+                plan.kernel,
             )
             state = _absorb(state, part, blk, q, v.shape[-1], dtype)
         relay.wait()
@@ -415,17 +202,22 @@ def _ring_backward(
     incoming: list[Tensor] | None = None  # the next shard's accumulator, arriving from r - 1
     for step in range(plan.world):
         src = plan.src(step)
-        kb, vb, mb = _unpack(msg)
+        shard = _unpack(msg, plan)
         nxt = kv_relay.start(msg, step % 2, plan.src(step + 1)) if step < plan.world - 1 else None
-        blk = plan.block(src, mb, q.device)
+        blk = plan.block(src, shard, q.device)
         grads = None
         if blk is not None:
-            x = BlockInputs(qa, prepare(kb, dtype), prepare(vb, dtype))
+            x = BlockInputs(qa, prepare(shard.k, dtype), prepare(shard.v, dtype))
             grads = block_backward(x, da, final, blk, plan.scale, plan.kernel)
             dq = _add_rows(dq, grads.dq, blk.rows, tuple(q.shape), dtype)
         grad_relay.wait()  # the accumulator for shard `src` has arrived (and our last one has left)
         if step == 0:
-            if plan.world == 1 and grads is not None and blk is not None and blk.cols.stop == kb.shape[2]:
+            if (
+                plan.world == 1
+                and grads is not None
+                and blk is not None
+                and blk.cols.stop == shard.k.shape[2]
+            ):
                 acc = [grads.dk, grads.dv]  # the whole answer, no copy
             else:
                 acc = [t.zero_() for t in grad_relay.views(0, src)]
@@ -494,6 +286,7 @@ def ring_attention(
     layout: str = "contiguous",
     valid_lens: Tensor | None = None,
     key_mask: Tensor | None = None,
+    segment_ids: Tensor | tuple[Tensor, Tensor] | None = None,
     scale: float | None = None,
     block_kernel: str = "auto",
 ) -> Tensor:
@@ -519,6 +312,10 @@ def ring_attention(
         valid_lens: int (B,) or (B, Lq): keys at *global* index >= valid_len are masked (d2l meaning).
         key_mask: bool (B, Lk), True = real key, for this rank's keys (a shard of a (B, L) padding mask,
             the argument of :func:`multihead.masks.key_padding`); it travels with the keys.
+        segment_ids: int (B, Lq) for self-attention, or a pair (q_ids (B, Lq), kv_ids (B, Lk)): this
+            rank's shard of the packed sequences' ids (cut like q with :func:`shard`); a query sees only
+            keys with its own id, negative ids are padding. The key ids travel with the keys, and a step
+            whose keys share no id with this rank's queries is skipped, so the work follows the documents.
         scale: score scale, default 1/sqrt(Dk).
         block_kernel: what computes each block: ``"flash"`` (PyTorch's fused CPU flash-attention
             forward and backward: CPU, float32/float64 or half precision computed in float32, Dk == Dv),
@@ -544,6 +341,7 @@ def ring_attention(
         valid_lens=valid_lens,
         key_mask=key_mask,
         scale=scale,
+        segment_ids=segment_ids,
         block_kernel=block_kernel,
     )
     return _RingAttention.apply(q, k, v, key_mask, plan)

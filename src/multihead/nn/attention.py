@@ -25,6 +25,7 @@ from ..core import backends as _backends
 from ..core.attention import AttentionOutput, attention
 from ..core.checks import check_dropout, check_softcap, positive_int
 from ..core.masks import check_segment_ids
+from ..core.options import AttentionOptions
 from ..core.segments import segment_positions
 from . import seam
 from .cache import KVCache
@@ -333,11 +334,7 @@ class MultiHeadAttention(nn.Module):
         q, k, v = self.project(query, key, value)  # (B, H, Lq, Dk), (B, Hkv, Lk, Dk), (B, Hkv, Lk, Dv)
         if cache is not None or self.rotary is not None:
             q, k, v = self._rotate_and_cache(q, k, v, cache, segment_ids)
-        out_heads, weights = seam.attend(
-            self,
-            q,
-            k,
-            v,
+        options = AttentionOptions(
             mask=mask,
             bias=bias,
             valid_lens=valid_lens,
@@ -347,7 +344,8 @@ class MultiHeadAttention(nn.Module):
             sinks=self.sinks,
             dropout=self.dropout if self.training else 0.0,
             return_weights=return_weights,
-        )  # (B, H, Lq, Dv), (B, H, Lq, Lk) | None
+        )
+        out_heads, weights = seam.attend(self, q, k, v, options)  # (B, H, Lq, Dv), (B, H, Lq, Lk) | None
         del q, k, v  # without grad, the projections are freed before the output projection allocates
         out = self.out_proj(merge_heads(out_heads))  # (B, Lq, O)
         if unbatched:

@@ -36,17 +36,19 @@ function, and :func:`check_positions` says so.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Protocol
+from typing import Any, Protocol
 
 from torch import Tensor, nn
 
-from ..core.attention import AttentionOutput, attention, output_and_weights
+from ..core.attention import attention, output_and_weights
+from ..core.options import AttentionFn, AttentionOptions, call_attention_fn, options_of
 
 __all__ = [
     "AttentionFn",
+    "AttentionOptions",
     "Inspector",
     "active",
     "attend",
@@ -55,10 +57,6 @@ __all__ = [
     "inspecting",
     "is_sharded",
 ]
-
-AttentionFn = Callable[..., Tensor | AttentionOutput]
-"""``fn(q, k, v, *, mask, bias, valid_lens, causal, scale, dropout, return_weights, backend)`` as
-:func:`multihead.attention`: q (B, H, Lq, Dk), k (B, Hkv, Lk, Dk), v (B, Hkv, Lk, Dv) -> (B, H, Lq, Dv)."""
 
 _ACTIVE: ContextVar[tuple[Inspector, ...]] = ContextVar("multihead_inspectors")
 
@@ -163,45 +161,30 @@ def attend(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    *,
-    mask: Tensor | None = None,
-    bias: Tensor | None = None,
-    valid_lens: Tensor | None = None,
-    causal: bool = False,
-    segment_ids: Tensor | tuple[Tensor, Tensor] | None = None,
-    softcap: float | None = None,
-    sinks: Tensor | None = None,
-    scale: float | None = None,
-    dropout: float = 0.0,
-    return_weights: bool = False,
+    options: AttentionOptions | None = None,
+    /,
+    **keywords: Any,
 ) -> tuple[Tensor, Tensor | None]:
     """Attention of one module call: q (B, H, Lq, Dk), k (B, Hkv, Lk, Dk), v (B, Hkv, Lk, Dv).
+
+    ``options`` is the call's :class:`~multihead.core.options.AttentionOptions`; a caller without one
+    passes :func:`multihead.attention`'s keywords instead (``mask=...``, ``causal=...``), which become
+    the record. The module's ``attention_fn`` gets every option, None-valued ones included
+    (:func:`~multihead.core.options.call_attention_fn`).
 
     Returns ``(heads (B, H, Lq, Dv), weights (B, H, Lq, Lk) or None)``: the heads after every active
     inspector saw them (outermost first), and the weights only when ``return_weights``. An inspector may
     ask for weights (``wants_weights``); the module's caller still gets them only if it asked.
-    ``segment_ids``, ``softcap`` and ``sinks`` reach ``attention_fn`` only when given (not None), so an
-    attention function written before them (ring attention) keeps working for calls that do not use them.
     """
+    options = options_of(options, keywords)
     inspectors = _stack()  # outermost first; () in the normal case
-    want = return_weights or _wants_weights(inspectors)
-    modern = {"segment_ids": segment_ids, "softcap": softcap, "sinks": sinks}
+    asked = options.return_weights
+    if not asked and _wants_weights(inspectors):
+        options = options.replace(return_weights=True)
     # a module of another library (a Hugging Face attention module) carries neither: the defaults
-    res = getattr(module, "attention_fn", attention)(
-        q,
-        k,
-        v,
-        mask=mask,
-        bias=bias,
-        valid_lens=valid_lens,
-        causal=causal,
-        scale=scale,
-        dropout=dropout,
-        return_weights=want,
-        backend=getattr(module, "backend", "auto"),
-        **{name: value for name, value in modern.items() if value is not None},
-    )
+    fn = getattr(module, "attention_fn", attention)
+    res = call_attention_fn(fn, q, k, v, options, getattr(module, "backend", "auto"))
     heads, weights = output_and_weights(res)  # (B, H, Lq, Dv), (B, H, Lq, Lk) | None
     for inspector in inspectors:  # each sees the heads the inspectors before it left
         heads = inspector.on_heads(module, heads, weights)  # type: ignore[arg-type]
-    return heads, (weights if return_weights else None)
+    return heads, (weights if asked else None)

@@ -1,0 +1,312 @@
+"""What every rank of a sequence-parallel call agrees on first: shapes, lengths, positions, the strategy.
+
+Dimensions: B batch, H query heads, Hkv key/value heads (H % Hkv == 0), P ranks in the process group,
+r this rank, Lq/Lk this rank's local query/key lengths, m_s rank s's key length, Dk/Dv head dims.
+
+One small all-gather of a row of integers per rank (:class:`Meta`) comes before any other message of a
+call. Every rank then holds the same table, so every rank raises the same error for a call that ranks
+disagree on (lengths no layout produces, heads, layouts, strategies) instead of hanging in a collective
+that its peers never enter; a rank whose own inputs are wrong raises its own error and the others say
+which rank it was. The result, a :class:`Plan`, is what the ring (:mod:`.ring`) and the all-to-all
+(:mod:`.ulysses`) run from.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..core import masks as _masks
+from ..core.attention import check_qkv
+from ..core.checks import check_scale
+from .blocks import KERNELS, Block, choose_kernel, make_block, shares_ids
+from .sharding import LAYOUTS, check_layout, positions_from_lengths, visible_region
+
+__all__ = ["STRATEGIES", "Meta", "Plan", "Shard", "agree", "make_plan"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+STRATEGIES = ("ring", "ulysses", "hybrid")
+
+
+class Shard(NamedTuple):
+    """One rank's keys and what travels with them."""
+
+    k: Tensor  # (B, Hkv, m, Dk)
+    v: Tensor  # (B, Hkv, m, Dv)
+    key_mask: Tensor | None  # (B, m) bool, True = real key
+    kv_ids: Tensor | None  # (B, m) int64 segment ids
+
+
+class Meta(NamedTuple):
+    """One rank's view of a call, as integers (one row of the all-gathered table)."""
+
+    ok: int  # 0: this rank's own inputs were rejected (it raises its own error)
+    batch: int
+    heads: int
+    kv_heads: int
+    dk: int
+    dv: int
+    lq: int  # this rank's query length (may differ between ranks)
+    lk: int  # this rank's key length (may differ between ranks)
+    dtype: int  # index in _DTYPES
+    causal: int
+    layout: int  # index in LAYOUTS
+    key_mask: int
+    segments: int  # 1: segment_ids given
+    valid_lens: int  # 0: none, 1: (B,), 2: (B, Lq)
+    kernel: int  # index in KERNELS, as requested
+    strategy: int  # index in STRATEGIES
+
+
+_PER_RANK = ("lq", "lk")  # fields that may differ between ranks
+_NAMES = {"batch": "B", "heads": "H", "kv_heads": "Hkv", "dk": "Dk", "dv": "Dv", "lq": "Lq", "lk": "Lk"}
+_CHOICES = {"layout": LAYOUTS, "strategy": STRATEGIES, "kernel": KERNELS, "dtype": _DTYPES}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """Everything a rank needs to run its steps; identical in shape on every rank."""
+
+    group: Any
+    rank: int
+    world: int
+    next_peer: int  # global rank of r + 1 (we send to it)
+    prev_peer: int  # global rank of r - 1 (we receive from it)
+    q_pos_all: list[Tensor]  # P tensors (Lq_s,): global positions of rank s's queries, on CPU
+    k_pos: list[Tensor]  # P tensors (m_s,): global positions of rank s's keys, on CPU
+    batch: int
+    heads: int
+    kv_heads: int
+    dk: int
+    dv: int
+    causal_offset: int | None  # Lk_total - Lq_total (bottom-right causal), None when not causal
+    scale: float
+    valid_lens: Tensor | None  # (B,) or (B, Lq): global key counts
+    has_key_mask: bool
+    q_ids: Tensor | None  # (B, Lq) segment ids of this rank's queries
+    kv_ids: Tensor | None  # (B, Lk) segment ids of this rank's keys (they travel with the keys)
+    kernel: str  # "flash" or "math" (see blocks.choose_kernel)
+    compute_dtype: torch.dtype  # the dtype blocks compute and accumulate in
+
+    @property
+    def q_pos(self) -> Tensor:
+        """(Lq,) global positions of this rank's queries."""
+        return self.q_pos_all[self.rank]
+
+    def src(self, step: int) -> int:
+        """Rank whose key/value shard this rank holds at ``step``."""
+        return (self.rank - step) % self.world
+
+    def kv_shape(self, src: int, d: int) -> tuple[int, int, int, int]:
+        """(B, Hkv, m_src, d): the shape of rank ``src``'s keys (d = Dk) or values (d = Dv)."""
+        return (self.batch, self.kv_heads, len(self.k_pos[src]), d)
+
+    def block(self, src: int, shard: Shard, device: torch.device) -> Block | None:
+        """Region and masks of this rank's queries x rank ``src``'s keys; None if nothing is visible
+        (the causal mask hides the block, or its keys share no segment id with the queries)."""
+        region = visible_region(self.q_pos, self.k_pos[src], self.causal_offset)
+        if region is None:
+            return None
+        segments = None
+        if self.q_ids is not None and shard.kv_ids is not None:
+            segments = (self.q_ids, shard.kv_ids)
+            if not shares_ids(self.q_ids[:, region.rows], shard.kv_ids[:, region.cols]):
+                return None
+        return make_block(
+            region,
+            self.k_pos[src],
+            valid_lens=self.valid_lens,
+            key_mask=shard.key_mask,
+            segments=segments,
+            device=device,
+        )
+
+
+def _comm_device(group: Any, like: object) -> torch.device:
+    if isinstance(like, Tensor):
+        return like.device
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _local_meta(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool,
+    layout: str,
+    valid_lens: Tensor | None,
+    key_mask: Tensor | None,
+    segment_ids: Tensor | tuple[Tensor, Tensor] | None,
+    block_kernel: str,
+    strategy: str,
+) -> tuple[Meta, tuple[Tensor, Tensor] | None]:
+    """This rank's :class:`Meta`; raises what is wrong with its own inputs."""
+    check_qkv(q, k, v)
+    check_layout(layout)
+    if block_kernel not in KERNELS:
+        raise ValueError(f"block_kernel must be one of {KERNELS}, got {block_kernel!r}")
+    (b, h, lq, dk), (_, hkv, lk, dv) = q.shape, v.shape
+    if q.dtype not in _DTYPES:
+        raise TypeError(f"{strategy}_attention supports dtypes {_DTYPES}, got {q.dtype}")
+    if valid_lens is not None:
+        _masks.check_valid_lens(valid_lens, b, lq)
+    if key_mask is not None and (
+        not isinstance(key_mask, Tensor) or key_mask.dtype != torch.bool or tuple(key_mask.shape) != (b, lk)
+    ):
+        got = (tuple(key_mask.shape), key_mask.dtype) if isinstance(key_mask, Tensor) else type(key_mask)
+        raise ValueError(
+            f"key_mask must be a bool tensor of shape (B, Lk) = {(b, lk)} (this rank's keys, True = real "
+            f"key), got {got}; build it with `shard(keep, 1, rank, world, layout)` from a (B, L) bool mask"
+        )
+    ids = None if segment_ids is None else _masks.check_segment_ids(segment_ids, b, lq, lk, q.device)
+    meta = Meta(
+        ok=1,
+        batch=b,
+        heads=h,
+        kv_heads=hkv,
+        dk=dk,
+        dv=dv,
+        lq=lq,
+        lk=lk,
+        dtype=_DTYPES.index(q.dtype),
+        causal=int(bool(causal)),
+        layout=LAYOUTS.index(layout),
+        key_mask=int(key_mask is not None),
+        segments=int(ids is not None),
+        valid_lens=0 if valid_lens is None else valid_lens.dim(),
+        kernel=KERNELS.index(block_kernel),
+        strategy=STRATEGIES.index(strategy),
+    )
+    return meta, ids
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Blocks compute and accumulate half precision in float32, the rest in its own dtype."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def make_plan(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool,
+    group: Any,
+    layout: str,
+    valid_lens: Tensor | None,
+    key_mask: Tensor | None,
+    scale: float | None,
+    segment_ids: Tensor | tuple[Tensor, Tensor] | None = None,
+    block_kernel: str = "auto",
+    strategy: str = "ring",
+    positions: tuple[list[Tensor], list[Tensor]] | None = None,
+) -> Plan:
+    """Validate the call on every rank at once; all ranks raise the same kind of error, none hangs.
+
+    ``strategy`` (one of :data:`STRATEGIES`) is part of what ranks agree on: a rank that runs another
+    strategy than its peers is named. ``positions`` (each rank's query positions, each rank's key
+    positions) replaces the layout's (the hybrid's ring runs over unions of shards).
+    """
+    caller = f"{strategy}_attention"
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            f"{caller} needs an initialized torch.distributed process group: call "
+            "torch.distributed.init_process_group(...) in every process (or start them with "
+            "multihead.distributed.launch / torchrun), or use multihead.attention in a single process"
+        )
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    error: Exception | None = None
+    ids = None
+    try:
+        meta, ids = _local_meta(
+            q,
+            k,
+            v,
+            causal=causal,
+            layout=layout,
+            valid_lens=valid_lens,
+            key_mask=key_mask,
+            segment_ids=segment_ids,
+            block_kernel=block_kernel,
+            strategy=strategy,
+        )
+        scale = check_scale(scale, q.shape[-1])
+    except (TypeError, ValueError) as exc:
+        error, meta = exc, Meta(*([0] * len(Meta._fields)))
+    table = agree(meta, group, caller, like=q)  # P rows, identical on every rank
+    if error is not None:
+        raise error
+    bad = [s for s, row in enumerate(table) if not row.ok]
+    if bad:
+        raise RuntimeError(f"{caller}: rank(s) {bad} rejected their inputs (their own error says why)")
+    for field in Meta._fields:
+        values = [getattr(row, field) for row in table]
+        if field not in _PER_RANK and len(set(values)) > 1:
+            shown = [_CHOICES[field][x] for x in values] if field in _CHOICES else values
+            raise ValueError(
+                f"{caller}: every rank must pass the same {_NAMES.get(field, field)}; ranks "
+                f"0..{world - 1} gave {shown}"
+            )
+    lq_all, lk_all = [row.lq for row in table], [row.lk for row in table]
+    if min(lq_all) == 0 or min(lk_all) == 0:
+        raise ValueError(
+            f"{caller}: every rank needs at least one query and one key, got local lengths "
+            f"Lq {lq_all}, Lk {lk_all}; use fewer ranks or a longer sequence"
+        )
+    if positions is None:
+        q_pos_all = positions_from_lengths(lq_all, layout, f"{caller} (queries)")
+        k_pos = positions_from_lengths(lk_all, layout, f"{caller} (keys)")
+    else:
+        q_pos_all, k_pos = positions
+    get_global = functools.partial(dist.get_global_rank, group) if group is not None else (lambda r: r)
+    mine_meta = table[rank]
+    compute = _compute_dtype(q.dtype)
+    return Plan(
+        group=group,
+        rank=rank,
+        world=world,
+        next_peer=get_global((rank + 1) % world),
+        prev_peer=get_global((rank - 1) % world),
+        q_pos_all=q_pos_all,
+        k_pos=k_pos,
+        batch=mine_meta.batch,
+        heads=mine_meta.heads,
+        kv_heads=mine_meta.kv_heads,
+        dk=mine_meta.dk,
+        dv=mine_meta.dv,
+        causal_offset=(sum(map(len, k_pos)) - sum(map(len, q_pos_all))) if causal else None,
+        scale=scale,
+        valid_lens=valid_lens,
+        has_key_mask=key_mask is not None,
+        q_ids=None if ids is None else ids[0],
+        kv_ids=None if ids is None else ids[1],
+        kernel=choose_kernel(block_kernel, q.device, compute, mine_meta.dk, mine_meta.dv),
+        compute_dtype=compute,
+    )
+
+
+def agree(meta: Meta, group: Any, caller: str, *, like: object = None) -> list[Meta]:
+    """All-gather every rank's ``meta``: the table, identical on every rank.
+
+    A rank that does not take part in time (it died, or never made the call) makes the others raise a
+    ``RuntimeError`` that says so, after the group's timeout, instead of hanging.
+    """
+    world = dist.get_world_size(group)
+    mine = torch.tensor(meta, dtype=torch.long, device=_comm_device(group, like))  # (len(Meta),)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    try:
+        dist.all_gather(every, mine, group=group)
+    except RuntimeError as exc:
+        raise RuntimeError(
+            f"{caller}: a rank of the group did not take part within the group's timeout -- it died, "
+            f"or it never made this call; every rank must call {caller} together ({exc})"
+        ) from exc
+    return [Meta(*row) for row in torch.stack(every).tolist()]

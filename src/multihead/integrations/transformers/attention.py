@@ -1,0 +1,142 @@
+"""The attention function multihead registers with transformers (``AttentionInterface``).
+
+Dimensions: B batch, H query heads, Hkv key/value heads, Lq/Lk query/key lengths, D head dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ...core import masks as _masks
+from ...core.options import AttentionOptions
+from ...nn import seam
+from .internals import _recording_attentions
+from .models import _check_config
+
+# ------------------------------------------------------------------------------------------------
+# The attention function
+# ------------------------------------------------------------------------------------------------
+
+
+def _weights_requested(kwargs: Mapping[str, Any]) -> bool:
+    """``output_attentions`` reaches the attention function only in some models; the rest record weights
+    with hooks (:func:`_recording_attentions`)."""
+    return bool(kwargs.get("output_attentions")) or _recording_attentions()
+
+
+def segments_from_positions(position_ids: Tensor) -> Tensor:
+    """(B, L) sequence ids of a packed batch: a new sequence starts where a position does not follow on.
+
+    ``[[0, 1, 2, 0, 1, 0]]`` -> ``[[0, 0, 0, 1, 1, 2]]`` (transformers' rule for padding-free batches).
+    """
+    first = position_ids[:, :1] - 1  # (B, 1): the first position always "follows on"
+    step = torch.diff(position_ids, prepend=first, dim=-1)  # (B, L)
+    return (step != 1).cumsum(-1)  # (B, L)
+
+
+def _segments(kwargs: Mapping[str, Any], batch: int, length: int) -> Tensor | None:
+    """Sequence ids (B, L) of a packed batch from ``position_ids`` or ``cu_seq_lens_q``; None if absent."""
+    positions = kwargs.get("position_ids")
+    if isinstance(positions, Tensor) and positions.dim() == 2 and positions.shape[-1] == length:
+        return segments_from_positions(positions.expand(batch, -1))  # (B, L)
+    starts = kwargs.get("cu_seq_lens_q")
+    if isinstance(starts, Tensor) and batch == 1 and int(starts[-1]) == length:
+        index = torch.arange(length, device=starts.device)  # (L,)
+        return torch.searchsorted(starts[1:], index, right=True)[None]  # (1, L)
+    return None
+
+
+def attention_forward(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | Callable[..., Tensor] | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor | None]:
+    """transformers' attention-function signature over :func:`multihead.nn.seam.attend`.
+
+    Args:
+        module: the Hugging Face attention module (its ``is_causal`` is read when no mask is given).
+        query: (B, H, Lq, D); key, value: (B, Hkv, Lk, D) -- grouped-query heads are used as they are,
+            K/V are never repeated.
+        attention_mask: what :func:`mask_interface` returns -- bool (B|1, 1, Lq, Lk), True = may attend;
+            an index function of packed sequences; or None: causal when the module is, for Lq > 1 --
+            or a float mask, added to the scores (the dtype's minimum is treated as -inf).
+        dropout: on the weights (transformers passes 0 in eval mode).
+        scaling: score scale (default 1/sqrt(D)).
+        kwargs: ``sliding_window`` (applied when no mask carries it), ``position_bias`` (added to the
+            scores), ``softcap`` (Gemma 2), ``s_aux``/``sinks`` (gpt-oss's per-head sink logits (H,)),
+            ``position_ids``/``cu_seq_lens_q`` (packed sequences: a new sequence where the positions
+            restart, also when transformers, with a cache on, did not look), ``output_attentions``.
+
+    Returns:
+        ``(output (B, Lq, H, D), weights (B, H, Lq, Lk) or None)``: weights whenever transformers asks
+        for them (``output_attentions=True``) -- otherwise the fused path runs.
+    """
+    config = getattr(module, "config", None)
+    if config is not None:
+        _check_config(config)
+    if kwargs.get("cache") is not None:
+        raise ValueError(
+            "multihead attention does not serve transformers' paged cache (continuous batching); use "
+            "attn_implementation='sdpa' or 'eager' for generate_batch"
+        )
+    lq, lk = query.shape[2], key.shape[2]
+    mask = bias = segment_ids = None
+    causal = False
+    if attention_mask is None:
+        wants_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+        window = kwargs.get("sliding_window")
+        if wants_causal and lq > 1 and lk > lq:
+            # prefill into an empty static cache: the keys after Lq are future slots (top-left causal)
+            mask = _masks.causal(lq, lk, diagonal=0, device=query.device)  # (Lq, Lk)
+        elif wants_causal and window is not None and lk > window:
+            mask = _masks.sliding_window(lq, lk, window=window, device=query.device)  # (Lq, Lk), bottom right
+        else:
+            causal = bool(wants_causal) and lq > 1
+        if wants_causal and lq == lk > 1:
+            # no mask: transformers saw no padding, and no packing when a cache is on (it then skips its
+            # packed-sequence check); positions that restart still mean packed rows
+            segment_ids = _segments(kwargs, query.shape[0], lq)  # (B, L)
+            if segment_ids is not None and not bool(segment_ids[:, -1].any()):
+                segment_ids = None  # one sequence per row: nothing to separate
+    elif not isinstance(attention_mask, Tensor):
+        mask = attention_mask  # packed sequences: transformers' index function (see mask_interface)
+        segment_ids = _segments(kwargs, query.shape[0], lq) if lq == lk else None  # (B, L)
+    elif attention_mask.dtype == torch.bool:
+        mask = attention_mask  # (B|1, 1, Lq, Lk)
+    else:
+        floor = torch.finfo(attention_mask.dtype).min
+        bias = attention_mask.masked_fill(attention_mask <= floor, float("-inf"))  # (B|1, 1, Lq, Lk)
+    position_bias = kwargs.get("position_bias")
+    if position_bias is not None:
+        bias = position_bias if bias is None else bias + position_bias  # (B|1, H|1, Lq, Lk)
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
+    if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
+        raise ValueError(
+            f"{type(module).__name__} passes attention sinks of shape {tuple(sinks.shape)}; multihead takes one "
+            f"sink logit per query head, shape ({query.shape[1]},) (gpt-oss's s_aux); run this model with "
+            f"attn_implementation='eager'"
+        )
+    options = AttentionOptions(
+        mask=mask,
+        bias=bias,
+        causal=causal,
+        scale=scaling,
+        dropout=dropout,
+        segment_ids=segment_ids,
+        softcap=kwargs.get("softcap"),
+        sinks=sinks,
+        return_weights=_weights_requested(kwargs),
+    )
+    heads, weights = seam.attend(module, query, key, value, options)  # type: ignore[arg-type]
+    # (B, H, Lq, D), (B, H, Lq, Lk) | None
+    return heads.transpose(1, 2).contiguous(), weights  # (B, Lq, H, D)

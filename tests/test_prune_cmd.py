@@ -1,5 +1,6 @@
-"""``multihead prune``: the objectives' scoring, the command end to end (the real all-MiniLM-L6-v2 and tiny
-random decoder and encoder-decoder folders), reloading the saved folder, and every bad input."""
+"""``multihead prune``: each objective class, the least-squares refit, early-stopped recovery, the command end
+to end (the real all-MiniLM-L6-v2 and tiny random decoder and encoder-decoder folders), reloading the saved
+folder, small data, and every bad input."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ pytest.importorskip("transformers")
 import checkpoints  # noqa: E402  (tests/checkpoints.py)
 import transformers as T  # noqa: E402
 
+import multihead as mh  # noqa: E402
 from multihead import cli, heads  # noqa: E402
 from multihead.bench.measure import Settings  # noqa: E402
 from multihead.commands import model_dir  # noqa: E402
@@ -39,7 +41,26 @@ SENTENCES = [
     "a small cat was on the blue rug",
     "he saw the big dog yesterday",
     "she sat in the house and looked at the garden",
+    "two blue dogs sat on the small mat",
+    "we looked at the big garden today",
+    "the red cat ran quickly from the dog",
+    "three small cats saw the house yesterday",
+    "it was a blue rug in the big house",
+    "they slowly sat on the red mat",
+    "a big dog and a small cat ran to the garden",
+    "he looked at two red houses today",
+    "she ran to the blue house and sat on the rug",
+    "the three dogs looked at it slowly",
 ]  # words of checkpoints.WORDS (the tiny tokenizer's vocabulary); MiniLM reads them too
+assert len(SENTENCES) >= P.MIN_TEXTS
+
+
+def many_sentences(n):
+    """``n`` distinct sentences made of the tiny vocabulary (a fixed rule, no randomness)."""
+    subjects = ["the cat", "a dog", "she", "he", "they", "we", "the big dog", "one small cat"]
+    verbs = ["sat on", "ran to", "looked at", "saw"]
+    things = ["the mat", "the red rug", "the house", "the blue garden", "the small house", "the garden", "it"]
+    return [f"{s} {v} {t}" for s in subjects for v in verbs for t in things][:n]
 
 
 @pytest.fixture(scope="module")
@@ -81,15 +102,16 @@ def _encoder_batches(model):
     ids = [torch.randint(5, 50, (int(n),), generator=torch.Generator().manual_seed(i)).tolist() for i, n in
            enumerate([7, 9, 5, 8, 6, 9])]  # fmt: skip
     tok = type("Tok", (), {"pad_token_id": 0, "all_special_ids": [0]})()
-    batches = P.make_batches(ids, tok, "contrastive", 3, 0)
-    P.add_targets(model, batches)
+    batches = P.make_batches(ids, tok, P.Embedding(), 3, 0)
+    P.Embedding().prepare(model, batches)
     return batches
 
 
 def test_contrastive_gradient_is_nonzero_at_the_unpruned_model():
     model, _ = _tiny_encoder()
     batches = _encoder_batches(model)
-    loss = P.objective_loss("contrastive")(model, batches[0])
+    objective = P.Embedding()
+    loss = objective.loss(model, batches[0])
     grads = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad], allow_unused=True)
     assert sum(float(g.abs().sum()) for g in grads if g is not None) > 0
     # whereas a plain distance to the original output is flat there: its gradient is exactly zero
@@ -98,9 +120,28 @@ def test_contrastive_gradient_is_nonzero_at_the_unpruned_model():
         ((emb - batches[0].target) ** 2).mean(), model.encoder.layer[0].attention.self.query.weight
     )[0]
     assert float(flat.abs().max()) == 0.0
-    scores = heads.importance(model, batches, P.objective_loss("contrastive"))
+    scores = heads.importance(model, batches, objective.loss)
     assert set(scores) == set(heads.head_counts(model))
     assert all(bool((s > 0).all()) and bool(torch.isfinite(s).all()) for s in scores.values())
+
+
+def test_embedding_objective_distill_and_quality():
+    model, _ = _tiny_encoder()
+    batches = _encoder_batches(model)
+    objective = P.Embedding()
+    with torch.no_grad():
+        same = objective.outputs(model, batches[0])
+        other = objective.outputs(heads.prune(model, {"encoder.layer.0.attention.self": [0, 1]}), batches[0])
+    # the hidden-state term: 0 at the teacher itself, positive for the pruned model
+    hidden_term = lambda s, t: float(objective.distill(s, t) - objective.output_term(s, t))  # noqa: E731
+    assert hidden_term(same, same) == pytest.approx(0.0, abs=1e-9) and hidden_term(other, same) > 1e-6
+    # the output term: contrastive + (1 - cos), the latter 0 at the teacher
+    assert float(objective.output_term(same, same)) == pytest.approx(
+        float(P.contrastive_loss(same.out, same.out))
+    )
+    ref = objective.reference(model, batches)
+    assert ref.shape == (6, 32) and objective.quality(model, ref, batches) == pytest.approx(1.0)
+    assert objective.goodness(0.9) < objective.goodness(0.95)  # higher Spearman is better
 
 
 def test_contrastive_loss_prefers_the_matching_target():
@@ -119,9 +160,9 @@ def _rows(batches):
 def test_mixed_batches_hold_every_text_once_with_lengths_mixed():
     ids = [[7] * n for n in range(1, 17)]  # 16 texts of lengths 1..16
     tok = type("Tok", (), {"pad_token_id": 0, "all_special_ids": [0]})()
-    sorted_rows = _rows(P.make_batches(ids, tok, "contrastive", 4, 0))
-    mixed_rows = _rows(P.make_batches(ids, tok, "contrastive", 4, 3, mix=True))
-    again, other = (_rows(P.make_batches(ids, tok, "contrastive", 4, seed, mix=True)) for seed in (3, 4))
+    sorted_rows = _rows(P.make_batches(ids, tok, P.Embedding(), 4, 0))
+    mixed_rows = _rows(P.make_batches(ids, tok, P.Embedding(), 4, 3, mix=True))
+    again, other = (_rows(P.make_batches(ids, tok, P.Embedding(), 4, seed, mix=True)) for seed in (3, 4))
     assert again == mixed_rows and other != mixed_rows  # the seed decides the batches
     assert sorted(map(len, sum(mixed_rows, []))) == list(range(1, 17))  # every text exactly once
     # length-sorted batches span 3 lengths each; dealt out at random they span far more
@@ -129,10 +170,13 @@ def test_mixed_batches_hold_every_text_once_with_lengths_mixed():
     assert max(max(map(len, r)) - min(map(len, r)) for r in mixed_rows) > 3
 
 
-@pytest.mark.parametrize("kind", ["masked-lm", "causal-lm", "encoder-decoder"])
-def test_lm_objectives_label_and_score(folders, kind):
+@pytest.mark.parametrize(
+    ("kind", "cls"), [("masked-lm", P.MaskedLM), ("causal-lm", P.CausalLM), ("encoder-decoder", P.Seq2Seq)]
+)
+def test_lm_objectives_label_score_distill_and_measure(folders, kind, cls):
     ckpt = model_dir.load(folders[kind])
-    objective = P.OBJECTIVES[kind]
+    objective = P.OBJECTIVES[kind]()
+    assert type(objective) is cls and not objective.higher_is_better
     ids = P.encode(ckpt.tokenizer, SENTENCES[:6], ckpt.max_length, False)
     batches = P.make_batches(ids, ckpt.tokenizer, objective, 3, 0)
     again = P.make_batches(ids, ckpt.tokenizer, objective, 3, 0)
@@ -141,16 +185,27 @@ def test_lm_objectives_label_and_score(folders, kind):
     for b in batches:
         att = b.inputs["attention_mask"].bool()
         assert bool((b.labels[~att] == -100).all())  # padding never scored
-        if objective == "masked-token":
-            picked = b.labels != -100
+        picked = b.labels != -100
+        if cls is P.MaskedLM:
             assert bool(picked.any(1).all())  # every text has a masked token
             assert bool((b.inputs["input_ids"][picked] == ckpt.tokenizer.mask_token_id).all())
             assert float(picked.sum() / att.sum()) < 0.5
-        elif objective == "next-token":
+        elif cls is P.CausalLM:
             assert torch.equal(b.labels[att], b.inputs["input_ids"][att])
-    scores = heads.importance(ckpt.model, batches, P.objective_loss(objective))
+        else:  # denoising: the whole text is the label, some inputs are masked
+            assert torch.equal(picked, att)
+            assert bool((b.inputs["input_ids"][att] == ckpt.tokenizer.mask_token_id).any())
+    scores = heads.importance(ckpt.model, batches, objective.loss)
     assert set(scores) == set(heads.head_counts(ckpt.model))
     assert all(bool(torch.isfinite(s).all()) and float(s.sum()) > 0 for s in scores.values())
+    with torch.no_grad():
+        teacher = objective.outputs(ckpt.model, batches[0])
+        name = next(iter(heads.head_counts(ckpt.model)))
+        student = objective.outputs(heads.prune(ckpt.model, {name: [0]}), batches[0])
+    assert float(objective.distill(teacher, teacher)) == pytest.approx(0.0, abs=1e-6)  # KL and errors vanish
+    assert float(objective.distill(student, teacher)) > 1e-6
+    ref = objective.reference(ckpt.model, batches)
+    assert objective.quality(ckpt.model, ref, batches) == pytest.approx(1.0)  # perplexity ratio to itself
 
 
 # ------------------------------------------------------------------------------------------------
@@ -180,12 +235,91 @@ def test_spearman_and_ranks():
     assert P.spearman(torch.tensor([1.0, 2, 2, 4]), torch.tensor([1.0, 2, 3, 4])) == pytest.approx(0.9486833)
 
 
-@pytest.mark.parametrize("n", [5, 14, 100])
-def test_split_held_out_is_deterministic_and_disjoint(n):
+@pytest.mark.parametrize("n", [20, 50, 100, 1000])
+def test_split_texts_is_deterministic_disjoint_and_sized(n):
     texts = [f"t{i}" for i in range(n)]
-    train, held = P.split_held_out(texts, 0.2)
-    assert (train, held) == P.split_held_out(texts, 0.2)
-    assert sorted(train + held) == sorted(texts) and len(held) == max(3, round(0.2 * n))
+    s = P.split_texts(texts)
+    assert s == P.split_texts(texts)
+    assert sorted(s.train + s.validation + s.held_out) == sorted(texts)
+    assert len(s.held_out) == max(8, round(0.2 * n)) and len(s.validation) == max(4, round(0.1 * n))
+    assert s.few == (n < P.FEW_TEXTS)
+
+
+def test_split_texts_names_the_minimum():
+    with pytest.raises(P.PruneError, match=f"at least {P.MIN_TEXTS}"):
+        P.split_texts([f"t{i}" for i in range(P.MIN_TEXTS - 1)])
+
+
+# ------------------------------------------------------------------------------------------------
+# Least-squares refit
+# ------------------------------------------------------------------------------------------------
+
+
+def test_least_squares_recovers_an_exact_linear_map():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(3, 5, generator=g, dtype=torch.float64)
+    b = torch.randn(3, generator=g, dtype=torch.float64)
+    fit = P.LeastSquares(5, 3)
+    for _ in range(4):  # accumulated over several batches of rows
+        x = torch.randn(20, 5, generator=g, dtype=torch.float64)
+        fit.add(x, x @ w.T + b)
+    w_hat, b_hat = fit.solve(ridge=0.0)
+    torch.testing.assert_close(w_hat, w, atol=1e-10, rtol=0)
+    torch.testing.assert_close(b_hat, b, atol=1e-10, rtol=0)
+    w_only, none = fit.solve(ridge=0.0, bias=False)  # no intercept: a different (worse) fit, and no bias
+    assert none is None and w_only.shape == (3, 5) and not torch.allclose(w_only, w)
+
+
+class _Toy(torch.nn.Module):
+    """Token ids -> embeddings -> one multihead attention layer (what ``refit`` runs: ``model(**inputs)``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(30, 16)
+        self.mha = mh.MultiHeadAttention(16, 4)
+
+    def forward(self, input_ids, attention_mask):
+        x = self.embed(input_ids)  # (B, L, E)
+        return self.mha(x, valid_lens=attention_mask.sum(1))  # (B, L, E)
+
+
+def test_refit_finds_the_exact_answer_on_a_toy_layer():
+    """Heads 0 and 2 are identical, so head 2's output equals head 0's: after pruning head 2, putting
+    head 2's output columns onto head 0's reproduces the original exactly, and the fit must find that."""
+    torch.manual_seed(0)
+    teacher = _Toy().double().eval()
+    d = 4  # head dim
+    with torch.no_grad():
+        w = teacher.mha.in_proj_weight  # rows [q | k | v], each 4 heads x 4
+        b = teacher.mha.in_proj_bias
+        for part in range(3):
+            rows0, rows2 = slice(part * 16, part * 16 + d), slice(part * 16 + 2 * d, part * 16 + 3 * d)
+            w[rows2], b[rows2] = w[rows0], b[rows0]
+    student = heads.prune(teacher, {"mha": [2]})
+    ids = torch.randint(0, 30, (6, 9), generator=torch.Generator().manual_seed(1))
+    att = torch.ones(6, 9, dtype=torch.long)
+    att[1, 6:] = 0  # some padding: its rows are left out of the fit
+    batches = [P.Batch({"input_ids": ids[:3], "attention_mask": att[:3]}),
+               P.Batch({"input_ids": ids[3:], "attention_mask": att[3:]})]  # fmt: skip
+    P.refit(student, teacher, batches, P.Embedding(), ["mha"], ridge=0.0)
+    out_w = teacher.mha.out_proj.weight
+    expected = torch.cat([out_w[:, :d] + out_w[:, 2 * d : 3 * d], out_w[:, d : 2 * d], out_w[:, 3 * d :]], 1)
+    torch.testing.assert_close(student.mha.out_proj.weight, expected, atol=1e-8, rtol=0)
+    torch.testing.assert_close(student.mha.out_proj.bias, teacher.mha.out_proj.bias, atol=1e-8, rtol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(student(ids, att), teacher(ids, att), atol=1e-10, rtol=0)
+
+
+def test_refit_leaves_modules_it_was_not_given():
+    torch.manual_seed(0)
+    teacher = _Toy().eval()
+    student = heads.prune(teacher, {"mha": [1]})
+    before = student.mha.out_proj.weight.detach().clone()
+    batch = P.Batch(
+        {"input_ids": torch.randint(0, 30, (4, 8)), "attention_mask": torch.ones(4, 8, dtype=torch.long)}
+    )
+    P.refit(student, teacher, [batch], P.Embedding(), [])
+    assert torch.equal(student.mha.out_proj.weight, before)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -215,9 +349,14 @@ def test_minilm_end_to_end(minilm_pruned):
         assert (out / name).exists(), name
     saved = json.loads((out / "prune_report.json").read_text())
     assert saved["heads_before"] == 72 and saved["heads_after"] == 54 == report["heads_after"]
-    assert saved["objective"] == "contrastive" and saved["recover_steps"] == 5
+    assert saved["objective"] == "contrastive" and saved["recovery"]["steps"] == 5
     assert saved["params_after"] < saved["params_before"]
-    assert -1 <= saved["quality"]["after_prune"] <= 1 and -1 <= saved["quality"]["after_recovery"] <= 1
+    stages = saved["quality"]["stages"]
+    assert [s["stage"] for s in stages] == ["pruned", "refit", "recovered"] and stages[0]["kept"]
+    assert all(-1 <= s[k] <= 1 for s in stages for k in ("held_out", "validation"))
+    assert saved["quality"]["final"] == next(s for s in reversed(stages) if s["kept"])["held_out"]
+    assert saved["texts"] == {"train": 16, "validation": 4, "held_out": 8, "total": 28}
+    assert "only 28 texts" in saved["warning"]
     assert saved["speed"]["speedup"] > 0 and saved["machine"]
     assert "| heads | 72 | 54 |" in (out / "prune_report.md").read_text()
     layout = json.loads((out / "config.json").read_text())["multihead_heads"]
@@ -227,12 +366,12 @@ def test_minilm_end_to_end(minilm_pruned):
     # the saved folder reproduces the held-out quality the report states
     original = _reload(minilm_dir(), T.AutoModel).eval()
     tok = T.AutoTokenizer.from_pretrained(out)
-    _, held = P.split_held_out(SENTENCES, 0.2)
-    batch = P.make_batches(P.encode(tok, held, 512, False), tok, "contrastive", 16, 0)[0]
+    held = P.split_texts(SENTENCES).held_out
+    batch = P.make_batches(P.encode(tok, held, 512, False), tok, P.Embedding(), 16, 0)[0]
     with torch.no_grad():
         ours, theirs = P.embed(model, batch), P.embed(original, batch)
     q = P.spearman(P.pair_similarities(ours), P.pair_similarities(theirs))
-    assert q == pytest.approx(saved["quality"]["after_recovery"], abs=1e-5)
+    assert q == pytest.approx(saved["quality"]["final"], abs=1e-5)
 
 
 def test_pruned_encoder_loads_into_the_task_class(minilm_pruned):
@@ -253,8 +392,10 @@ def test_pruned_encoder_loads_into_the_task_class(minilm_pruned):
 def test_tiny_lm_end_to_end(tmp_path, folders, lines, kind, task_class):
     out = tmp_path / "pruned"
     report = P.run(options(folders[kind], lines, out, heads="0.25", recover=2), echo=lambda _: None)
-    assert report["objective"] == P.OBJECTIVES[kind] and report["quality"]["metric"] == "perplexity ratio"
-    assert report["quality"]["after_recovery"] > 0 and report["quality"]["original_loss"] > 0
+    assert (
+        report["objective"] == P.OBJECTIVES[kind].name and report["quality"]["metric"] == "perplexity ratio"
+    )
+    assert report["quality"]["final"] > 0 and report["quality"]["after_prune"] > 0
     loaded = model_dir.load(
         out
     )  # the checkpoint's own class (LlamaForCausalLM, BartForConditionalGeneration)
@@ -307,7 +448,8 @@ def _bad(tmp_path, folders, lines, capsys, argv_for):
         ("empty data", "empty"),
         ("data is a folder", "a directory"),
         ("data not utf-8", "not UTF-8"),
-        ("too few texts", "too few"),
+        ("too few texts", f"at least {P.MIN_TEXTS}"),
+        ("one text short of the minimum", f"at least {P.MIN_TEXTS}"),
         ("heads 0", "--heads"),
         ("heads 1.5", "--heads"),
         ("heads abc", "--heads"),
@@ -335,6 +477,8 @@ def test_bad_input(tmp_path, folders, lines, capsys, case, expect):
         data.write_bytes(b"caf\xe9\n")
     elif case == "too few texts":
         data.write_text("the cat\nthe dog\nthe rug\n")
+    elif case == "one text short of the minimum":
+        data.write_text("\n".join(many_sentences(P.MIN_TEXTS - 1)))
     elif case.startswith("heads "):
         heads_arg = case.split()[1]
     elif case == "empties a layer":
@@ -383,6 +527,30 @@ def _bad_existing(tmp_path, argv, capsys, folders, lines):
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     return err
+
+
+def test_fifty_lines_work_and_warn(tmp_path, folders, capsys):
+    data = tmp_path / "fifty.txt"
+    data.write_text("\n".join(many_sentences(50)))
+    out = tmp_path / "pruned"
+    code = cli.main(["prune", str(folders["masked-lm"]), "--data", str(data), "--heads", "2", "--recover", "2",
+                     "--out", str(out)])  # fmt: skip
+    printed = capsys.readouterr().out
+    assert code == 0 and (out / "model.safetensors").is_file()
+    assert "50 texts: 35 to score, refit and recover on, 5 to validate, 10 held out" in printed
+    assert "warning: only 50 texts" in printed and "may not carry over" in printed
+    report = json.loads((out / "prune_report.json").read_text())
+    assert report["texts"]["total"] == 50 and "only 50 texts" in report["warning"]
+    assert "**Warning:** only 50 texts" in (out / "prune_report.md").read_text()
+
+
+def test_enough_lines_give_no_warning(tmp_path, folders):
+    data = tmp_path / "many.txt"
+    data.write_text("\n".join(many_sentences(P.FEW_TEXTS)))
+    report = P.run(
+        options(folders["causal-lm"], data, tmp_path / "out", heads="1", recover=0), echo=lambda _: None
+    )
+    assert report["warning"] is None and report["texts"]["total"] == P.FEW_TEXTS
 
 
 def test_truncate_accepts_long_texts(tmp_path, folders, lines):

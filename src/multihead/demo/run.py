@@ -17,7 +17,6 @@ extra) so that a missing dependency stops it before any work.
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from collections.abc import Callable
@@ -33,6 +32,8 @@ from .._extras import require
 from ..bench.measure import Settings
 from ..bench.pair import PairTiming, machine, time_pair
 from ..bench.stats import Spread
+from ..commands import training
+from ..commands.training import count_params, markdown_table, text_table
 from ..progress import Progress
 from ..transformer import Transformer
 from .data import BOS, EOS, PAD, Dataset, Split, date_pairs, make_dataset
@@ -46,11 +47,6 @@ Echo = Callable[[str], None]
 def check_dependencies() -> None:
     """Raise :class:`ImportError` naming the ``viz`` extra now, before any training, if matplotlib is missing."""
     require("viz", ("matplotlib.figure",), "the demo's plots and HTML report")
-
-
-def count_params(model: nn.Module) -> int:
-    """Parameters (shared ones once)."""
-    return sum(p.numel() for p in model.parameters())
 
 
 def teacher_loss(model: nn.Module, batch: tuple[Tensor, Tensor, Tensor]) -> Tensor:
@@ -120,41 +116,40 @@ class TrainLog:
 
 
 def train(model: Transformer, ds: Dataset, cfg: DemoConfig, max_len: int) -> TrainLog:
-    """AdamW with linear warm-up and cosine decay; batches drawn without replacement, epoch by epoch."""
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.01)
-
-    def lr_at(step: int) -> float:
-        if step < cfg.warmup:
-            return (step + 1) / cfg.warmup
-        t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-        return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * t))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    """AdamW with linear warm-up and cosine decay (:mod:`multihead.commands.training`); batches drawn
+    without replacement, epoch by epoch."""
     gen = torch.Generator().manual_seed(cfg.seed)
-    log, order, pos = TrainLog(), torch.empty(0, dtype=torch.long), 0
+    log, draw = TrainLog(), {"order": torch.empty(0, dtype=torch.long), "pos": 0}
     checks = {round(cfg.steps * (i + 1) / cfg.curve_points) for i in range(cfg.curve_points)}
+
+    def loss_at(_: int) -> Tensor:
+        if draw["pos"] + cfg.batch_size > len(draw["order"]):
+            draw["order"], draw["pos"] = torch.randperm(len(ds.train), generator=gen), 0
+        idx = draw["order"][draw["pos"] : draw["pos"] + cfg.batch_size]
+        draw["pos"] += cfg.batch_size
+        src, ti, to = ds.train.src[idx], ds.train.tgt_in[idx], ds.train.tgt_out[idx]
+        s, t = int((src != PAD).sum(1).max()), int((to != PAD).sum(1).max())
+        model.train()
+        return teacher_loss(model, (src[:, :s], ti[:, :t], to[:, :t]))  # trailing padding trimmed
+
+    def on_step(step: int, loss: float) -> None:
+        info = {"loss": f"{loss:.4f}"}
+        if step + 1 in checks:
+            log.curve.append((step + 1, exact_match(model, ds.dev, max_len, limit=300)))
+            info["dev"] = f"{log.curve[-1][1]:.1f}%"
+        bar.update(1, **info)
+
     start = time.perf_counter()
+    optimiser = training.AdamW(cfg.lr, betas=(0.9, 0.98), weight_decay=0.01)
     with Progress(cfg.steps, "train") as bar:
-        for step in range(1, cfg.steps + 1):
-            if pos + cfg.batch_size > len(order):
-                order, pos = torch.randperm(len(ds.train), generator=gen), 0
-            idx = order[pos : pos + cfg.batch_size]
-            pos += cfg.batch_size
-            src, ti, to = ds.train.src[idx], ds.train.tgt_in[idx], ds.train.tgt_out[idx]
-            s, t = int((src != PAD).sum(1).max()), int((to != PAD).sum(1).max())
-            model.train()
-            loss = teacher_loss(model, (src[:, :s], ti[:, :t], to[:, :t]))  # trailing padding trimmed
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            log.losses.append(loss.item())
-            info = {"loss": f"{log.losses[-1]:.4f}"}
-            if step in checks:
-                log.curve.append((step, exact_match(model, ds.dev, max_len, limit=300)))
-                info["dev"] = f"{log.curve[-1][1]:.1f}%"
-            bar.update(1, **info)
+        log.losses = training.fit(
+            model.parameters(),
+            loss_at,
+            cfg.steps,
+            optimiser,
+            training.warmup_cosine(cfg.steps, cfg.warmup, floor=0.05),
+            on_step=on_step,
+        )
     log.seconds = time.perf_counter() - start
     return log
 
@@ -245,16 +240,6 @@ def _table(rows: list[Row]) -> list[list[str]]:
             ]
         )
     return out
-
-
-def _markdown(rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows[1:]])
-
-
-def _text_table(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
 
 
 def load_data(cfg: DemoConfig, echo: Echo) -> Dataset:
@@ -427,10 +412,10 @@ def write_results(
         [name, heads.attention_kind(name), ", ".join(map(str, res.pruned.get(name, []))) or "-", str(h)]
         for name, h in heads.head_counts(res.model).items()
     ]
-    echo("\n" + _text_table(table) + "\n" + (f"\n{speed_note}\n" if speed_note else ""))
+    echo("\n" + text_table(table) + "\n" + (f"\n{speed_note}\n" if speed_note else ""))
     (out / "results.md").write_text(
-        f"# multihead demo (seed {cfg.seed}, {ds.name})\n\n{_markdown(table)}\n\n{speed_note}\n\n"
-        f"## Pruned heads\n\n{_markdown(pruned_rows)}\n"
+        f"# multihead demo (seed {cfg.seed}, {ds.name})\n\n{markdown_table(table)}\n\n{speed_note}\n\n"
+        f"## Pruned heads\n\n{markdown_table(pruned_rows)}\n"
     )
     viz.write_report(
         out / "report.html",

@@ -1,0 +1,94 @@
+"""``multihead prune``: score a checkpoint's heads on your text, prune them, refit, recover, measure, save.
+
+Dimensions: B batch, L tokens, E hidden width, V vocabulary, N texts, P = N (N - 1) / 2 pairs.
+
+:func:`run` does, in order (every check before any work, nothing written on a usage error):
+
+1. load the folder on multihead (:func:`multihead.commands.model_dir.load`), read the text (one per line)
+   and split it by a fixed rule (:func:`split_texts`): 20% held out (measured only: the quality the report
+   states), 10% validation (chooses between stages and stops recovery), the rest to work on; fewer than
+   :data:`MIN_TEXTS` texts is a usage error, fewer than :data:`FEW_TEXTS` a warning;
+2. pick the checkpoint's objective (:data:`OBJECTIVES`: one class per kind, :mod:`.objectives`) and score
+   the heads with :func:`multihead.heads.importance` of its loss; prune the least important in a few
+   rounds, rescoring after each (:mod:`.choose`; no layer is ever emptied);
+3. refit each pruned layer's output projection by least squares so that the kept heads reproduce the
+   original layer's output on the training tokens (:mod:`.refit`);
+4. recover: distil toward the original (:mod:`.recover`), stopped early on the validation texts;
+5. measure each stage on the validation and held-out texts (a stage is kept only if it improves the
+   validation quality), the parameters, and the forward speed of the original against the pruned model in
+   interleaved rounds (:mod:`multihead.bench.pair`);
+6. save the weights (safetensors), config (with ``multihead_heads``), tokenizer and the checkpoint's other
+   files, and ``prune_report.json`` / ``prune_report.md`` (:mod:`.report`).
+"""
+
+from .choose import check_prunable, choose_and_prune
+from .command import Job, Stages, options_from, prepare, run
+from .inputs import (
+    DEFAULT_RECOVER,
+    FEW_TEXTS,
+    MIN_TEXTS,
+    Options,
+    PruneError,
+    Splits,
+    encode,
+    heads_to_prune,
+    parse_heads,
+    read_texts,
+    split_texts,
+)
+from .objectives import (
+    OBJECTIVES,
+    Batch,
+    CausalLM,
+    Embedding,
+    MaskedLM,
+    Objective,
+    Seq2Seq,
+    contrastive_loss,
+    embed,
+    make_batches,
+    pair_similarities,
+    spearman,
+)
+from .recover import Recovery, recover
+from .refit import LeastSquares, output_projection, refit
+from .report import markdown
+
+__all__ = [
+    "DEFAULT_RECOVER",
+    "FEW_TEXTS",
+    "MIN_TEXTS",
+    "OBJECTIVES",
+    "Batch",
+    "CausalLM",
+    "Embedding",
+    "Job",
+    "LeastSquares",
+    "MaskedLM",
+    "Objective",
+    "Options",
+    "PruneError",
+    "Recovery",
+    "Seq2Seq",
+    "Splits",
+    "Stages",
+    "check_prunable",
+    "choose_and_prune",
+    "contrastive_loss",
+    "embed",
+    "encode",
+    "heads_to_prune",
+    "make_batches",
+    "markdown",
+    "options_from",
+    "output_projection",
+    "pair_similarities",
+    "parse_heads",
+    "prepare",
+    "read_texts",
+    "recover",
+    "refit",
+    "run",
+    "spearman",
+    "split_texts",
+]

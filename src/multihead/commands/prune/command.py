@@ -1,0 +1,280 @@
+"""``multihead prune`` itself: :func:`run` checks every input, then prunes, refits, recovers, measures, saves."""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from ... import heads as heads_tools
+from ...bench.pair import machine
+from ...progress import Progress
+from .. import model_dir
+from ..training import count_params
+from .choose import check_prunable, choose_and_prune, spread_subset
+from .inputs import (
+    FEW_TEXTS,
+    Options,
+    PruneError,
+    Splits,
+    check_out,
+    encode,
+    heads_to_prune,
+    parse_heads,
+    read_texts,
+    recover_steps,
+    split_texts,
+)
+from .objectives import OBJECTIVES, Batch, Objective, make_batches
+from .recover import Recovery, recover
+from .refit import refit
+from .report import markdown, save, speed
+
+__all__ = ["Job", "Stages", "options_from", "prepare", "run"]
+
+Echo = Callable[[str], None]
+
+
+@dataclass
+class Job:
+    """Everything :func:`run` works on, after every usage check: the loaded checkpoint, its objective,
+    how many heads go, the texts (split, tokenized, batched) and the recovery steps."""
+
+    loaded: Any
+    objective: Objective
+    counts: dict[str, int]
+    n: int
+    splits: Splits
+    ids: dict[str, list[list[int]]]  # split name -> token ids
+    steps: int
+    batches: dict[str, list[Batch]] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        s, total = self.splits, sum(self.counts.values())
+        return (
+            f"{self.loaded.path}: {self.loaded.kind} ({type(self.loaded.model).__name__}), {total} heads in "
+            f"{len(self.counts)} layers; objective: {self.objective.name}; pruning {self.n} heads; "
+            f"{len(s.train) + len(s.validation) + len(s.held_out)} texts: {len(s.train)} to score, refit and "
+            f"recover on, {len(s.validation)} to validate, {len(s.held_out)} held out"
+        )
+
+    def warning(self) -> str | None:
+        total = len(self.splits.train) + len(self.splits.validation) + len(self.splits.held_out)
+        if not self.splits.few:
+            return None
+        return (
+            f"only {total} texts (fewer than {FEW_TEXTS}): the held-out quality is measured on "
+            f"{len(self.splits.held_out)} of them and may not carry over to the rest of your text; give a few "
+            f"hundred lines or more"
+        )
+
+
+def prepare(opts: Options) -> Job:
+    """Check every input (:class:`PruneError` on the first bad one, nothing written) and load the checkpoint."""
+    value = parse_heads(opts.heads)
+    steps = recover_steps(opts.recover)
+    check_out(Path(opts.out))
+    splits = split_texts(read_texts(opts.data), opts.held_out, opts.validation)
+    try:
+        loaded = model_dir.load(opts.model_dir)
+    except model_dir.NotACheckpoint as e:
+        raise PruneError(str(e)) from e
+    loaded.model.eval()
+    counts = check_prunable(loaded.model)
+    n = heads_to_prune(value, counts)
+    texts = {"train": splits.train, "validation": splits.validation, "held_out": splits.held_out}
+    ids = {k: encode(loaded.tokenizer, v, loaded.max_length, opts.truncate) for k, v in texts.items()}
+    return Job(loaded, OBJECTIVES[loaded.kind](), counts, n, splits, ids, steps)
+
+
+def _batch(job: Job, opts: Options) -> None:
+    """Batch the texts and store what the objective needs from the original model."""
+    tok, obj, size = job.loaded.tokenizer, job.objective, opts.batch_size
+    job.batches = {
+        "train": make_batches(job.ids["train"], tok, obj, size, opts.seed),
+        "mixed": make_batches(job.ids["train"], tok, obj, size, opts.seed + 2, mix=True),
+        "validation": make_batches(job.ids["validation"], tok, obj, size, opts.seed + 3),
+        "held_out": make_batches(job.ids["held_out"], tok, obj, size, opts.seed + 1),
+    }
+    job.batches["score"] = spread_subset(job.batches["train"], opts.score_texts)
+    job.batches["refit"] = spread_subset(job.batches["train"], opts.refit_texts)
+    for name in ("score", "mixed"):
+        obj.prepare(job.loaded.model, job.batches[name])
+
+
+class Stages:
+    """The quality of each stage on the validation and the held-out texts, and which stages were kept."""
+
+    def __init__(self, job: Job, echo: Echo) -> None:
+        self.objective, self.echo = job.objective, echo
+        original = job.loaded.model
+        self.sets = {k: (job.batches[k], job.objective.reference(original, job.batches[k])) for k in
+                     ("validation", "held_out")}  # fmt: skip
+        self.rows: list[dict[str, Any]] = []
+
+    def validate(self, model: nn.Module) -> float:
+        """Validation quality as a number where higher is better (what chooses between stages)."""
+        batches, ref = self.sets["validation"]
+        return self.objective.goodness(self.objective.quality(model, ref, batches))
+
+    def measure(self, stage: str, model: nn.Module, *, kept: bool | None = None, note: str = "") -> None:
+        """Measure ``model`` as stage ``stage``; ``kept=None``: kept if it improves the validation quality
+        on the last kept stage."""
+        q = {k: self.objective.quality(model, ref, b) for k, (b, ref) in self.sets.items()}
+        if kept is None:
+            good = self.objective.goodness
+            kept = good(q["validation"]) > good(self.last_kept()["validation"])
+        self.rows.append(
+            {"stage": stage, "held_out": q["held_out"], "validation": q["validation"], "kept": kept}
+        )
+        self.echo(
+            f"{stage}: held-out {self.objective.metric} {q['held_out']:.4f} (validation {q['validation']:.4f})"
+            + ("" if kept else ", not kept: it did not improve the validation quality")
+            + (f"; {note}" if note else "")
+        )
+
+    def last_kept(self) -> dict[str, Any]:
+        """The last stage kept (its model is the one saved)."""
+        return next(r for r in reversed(self.rows) if r["kept"])
+
+
+def _prune(job: Job, opts: Options) -> tuple[nn.Module, dict[str, list[int]]]:
+    rounds = max(1, min(opts.rounds, job.n))
+    with Progress(rounds * len(job.batches["score"]), "score", enabled=opts.progress) as bar:
+        return choose_and_prune(
+            job.loaded.model, job.batches["score"], job.objective, job.n, rounds, lambda: bar.update(1)
+        )
+
+
+def _refit(
+    job: Job, opts: Options, pruned: nn.Module, removed: dict[str, list[int]], stages: Stages
+) -> nn.Module:
+    """Refit the pruned layers' output projections (:mod:`.refit`); kept if validation improves."""
+    candidate = copy.deepcopy(pruned)
+    with Progress(len(removed), "refit", enabled=opts.progress) as bar:
+        refit(
+            candidate,
+            job.loaded.model,
+            job.batches["refit"],
+            job.objective,
+            list(removed),
+            progress=lambda: bar.update(1),
+        )
+    stages.measure("refit", candidate)
+    return candidate if stages.rows[-1]["kept"] else pruned
+
+
+def _recover(job: Job, opts: Options, model: nn.Module, stages: Stages) -> Recovery:
+    """Distil toward the original (:mod:`.recover`), stopped on the validation texts."""
+    if not job.steps:
+        return Recovery()
+    with Progress(job.steps, "recover", enabled=opts.progress) as bar:
+        rec = recover(
+            model, job.loaded.model, job.batches["mixed"], job.objective, job.steps, lr=opts.lr, seed=opts.seed,
+            validate=stages.validate, eval_every=opts.eval_every, patience=opts.patience,
+            progress=lambda loss: bar.update(1, loss=f"{loss:.4f}"),
+        )  # fmt: skip
+    model.eval()
+    stages.measure(
+        "recovered",
+        model,
+        kept=rec.kept_step > 0,
+        note=f"{len(rec.losses)} steps run, step {rec.kept_step} kept",
+    )
+    return rec
+
+
+def _report(job: Job, opts: Options, model: nn.Module, removed: dict, stages: Stages, rec: Recovery) -> dict:
+    original, s = job.loaded.model, job.splits
+    final = stages.last_kept()
+    return {
+        "model": str(job.loaded.path),
+        "kind": job.loaded.kind,
+        "model_class": type(original).__name__,
+        "objective": job.objective.name,
+        "heads_arg": str(opts.heads),
+        "pruned_count": job.n,
+        "heads_before": sum(job.counts.values()),
+        "heads_after": sum(heads_tools.head_counts(model).values()),
+        "heads_left": heads_tools.head_counts(model),
+        "removed": removed,
+        "params_before": count_params(original),
+        "params_after": count_params(model),
+        "texts": {
+            "train": len(s.train),
+            "validation": len(s.validation),
+            "held_out": len(s.held_out),
+            "total": len(s.train) + len(s.validation) + len(s.held_out),
+        },  # fmt: skip
+        "warning": job.warning(),
+        "recovery": {
+            "steps": job.steps,
+            "steps_run": len(rec.losses),
+            "kept_step": rec.kept_step,
+            "checks": rec.checks,
+            "loss_first_last": [rec.losses[0], rec.losses[-1]] if rec.losses else None,
+        },  # fmt: skip
+        "quality": {
+            "metric": job.objective.metric,
+            "direction": job.objective.direction,
+            "stages": stages.rows,
+            "after_prune": stages.rows[0]["held_out"],
+            "final": final["held_out"],
+            "final_stage": final["stage"],
+        },
+        "speed": speed(
+            original,
+            model,
+            job.ids["train"] + job.ids["held_out"],
+            job.loaded.tokenizer,
+            job.objective,
+            opts.timing,
+            opts.progress,
+        ),  # fmt: skip
+        "machine": machine().words(),
+    }
+
+
+def run(opts: Options, *, echo: Echo = print) -> dict[str, Any]:
+    """Run ``multihead prune``; returns the report (also written under ``opts.out``).
+
+    Raises :class:`PruneError` (a usage error, one line) before writing anything, for: a folder that is
+    not a checkpoint, a missing/unreadable/empty data file or too few texts, ``--heads`` out of range or
+    emptying a layer, ``--recover`` < 0, a text longer than the model takes without ``truncate``, a
+    non-empty ``out``, an architecture whose heads cannot be pruned.
+    """
+    started = time.perf_counter()
+    job = prepare(opts)  # every usage check is done: from here on the work
+    echo(job.describe())
+    if job.warning():
+        echo(f"warning: {job.warning()}")
+    _batch(job, opts)
+    stages = Stages(job, echo)
+    pruned, removed = _prune(job, opts)
+    stages.measure("pruned", pruned, kept=True)
+    model = _refit(job, opts, pruned, removed, stages)
+    rec = _recover(job, opts, model, stages)
+    report = _report(job, opts, model, removed, stages, rec)
+    report["seconds"] = time.perf_counter() - started
+    save(Path(opts.out), job.loaded, model, report)
+    echo(markdown(report))
+    echo(f"wrote {opts.out}/ (model.safetensors, config.json, tokenizer, prune_report.json, prune_report.md)")
+    return report
+
+
+def options_from(args: Any) -> Options:
+    """:class:`Options` from the CLI's parsed arguments."""
+    return Options(
+        model_dir=args.model_dir,
+        data=args.data,
+        heads=args.heads,
+        out=args.out,
+        recover=args.recover,
+        truncate=args.truncate,
+        progress=True,
+    )

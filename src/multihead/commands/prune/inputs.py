@@ -1,0 +1,198 @@
+"""What ``multihead prune`` is given: its options, the text file, ``--heads``, ``--recover``, the splits.
+
+Every check here raises :class:`PruneError` (one line; the CLI exits with status 2) before any work.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ...bench.measure import Settings
+from ...bench.pair import PAIR_SETTINGS
+from .. import model_dir
+
+__all__ = [
+    "DEFAULT_RECOVER",
+    "FEW_TEXTS",
+    "MIN_TEXTS",
+    "Options",
+    "PruneError",
+    "Splits",
+    "check_out",
+    "encode",
+    "heads_to_prune",
+    "parse_heads",
+    "read_texts",
+    "recover_steps",
+    "split_texts",
+]
+
+DEFAULT_RECOVER = 240
+"""Default recovery steps (at most: it stops early once the validation texts stop improving)."""
+
+MIN_HELD_OUT = 8  # texts the reported quality is measured on (28 pairs for the Spearman of similarities)
+MIN_VALIDATION = 4  # texts that choose between stages and stop recovery
+MIN_TRAIN = 8  # texts that score the heads, refit and recover on
+MIN_TEXTS = MIN_HELD_OUT + MIN_VALIDATION + MIN_TRAIN
+"""The fewest texts ``multihead prune`` works with: fewer is a usage error naming this number."""
+
+FEW_TEXTS = 200
+"""Below this many texts the command warns that its quality may not carry over to the rest of the user's
+text (the held-out and validation sets are then a few dozen texts at most)."""
+
+
+class PruneError(model_dir.BadInput):
+    """A usage error of ``multihead prune``: one line, printed without a traceback (exit status 2)."""
+
+
+@dataclass
+class Options:
+    """What ``multihead prune`` was asked to do (strings as typed: :func:`multihead.commands.prune.run`
+    validates them)."""
+
+    model_dir: str | Path
+    data: str | Path
+    heads: str
+    out: str | Path
+    recover: int | str | None = None  # None: DEFAULT_RECOVER
+    truncate: bool = False
+    batch_size: int = 16
+    lr: float = 2e-4
+    rounds: int = 3  # prune in this many score -> prune rounds
+    held_out: float = 0.2  # of the texts, measured on only (the report's quality)
+    validation: float = 0.1  # of the texts, to choose between stages and stop recovery early
+    score_texts: int = 512  # training texts the importance scores are computed on (at most)
+    refit_texts: int = 1024  # training texts the output projections are refit on (at most)
+    eval_every: int = 40  # recovery steps between validation checks
+    patience: int = 2  # validation checks without improvement before recovery stops
+    seed: int = 0
+    progress: bool = True
+    timing: Settings = PAIR_SETTINGS
+
+
+def read_texts(path: str | Path) -> list[str]:
+    """The non-blank lines of a UTF-8 text file, stripped; :class:`PruneError` if there are none."""
+    p = Path(path)
+    if not p.exists():
+        raise PruneError(f"--data {p}: no such file (give a text file with one text per line)")
+    if p.is_dir():
+        raise PruneError(f"--data {p}: a directory, not a text file with one text per line")
+    try:
+        raw = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise PruneError(f"--data {p}: cannot read it ({e.strerror or e})") from e
+    except UnicodeDecodeError as e:
+        raise PruneError(f"--data {p}: not UTF-8 text ({e.reason} at byte {e.start})") from e
+    texts = [line.strip() for line in raw.splitlines() if line.strip()]
+    if not texts:
+        raise PruneError(f"--data {p}: empty (no non-blank lines); give one text per line")
+    return texts
+
+
+def parse_heads(text: str) -> float | int:
+    """``"0.25"`` -> 0.25 (a fraction in (0, 1)); ``"18"`` -> 18 (a count >= 1)."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        value = math.nan
+    if value.is_integer() and value >= 1 and "." not in str(text):
+        return int(value)
+    if 0 < value < 1:
+        return value
+    raise PruneError(
+        f"--heads must be a fraction in (0, 1) (e.g. 0.25 prunes a quarter of the heads) or a count >= 1, "
+        f"got {text!r}"
+    )
+
+
+def heads_to_prune(value: float | int, counts: dict[str, int]) -> int:
+    """How many heads ``--heads value`` prunes out of ``counts`` ({module: H}); no module may lose all."""
+    total, most = sum(counts.values()), sum(counts.values()) - len(counts)
+    n = max(1, round(value * total)) if isinstance(value, float) else value
+    if n > most:
+        asked = f"{value} of {total} heads = {n}" if isinstance(value, float) else f"{n} of {total} heads"
+        raise PruneError(
+            f"--heads {value}: pruning {asked} would empty a layer (each of the {len(counts)} attention "
+            f"layers keeps at least one head, so at most {most} can go)"
+        )
+    return n
+
+
+def recover_steps(value: int | str | None) -> int:
+    """``--recover`` as a number of steps (None: :data:`DEFAULT_RECOVER`)."""
+    if value is None:
+        return DEFAULT_RECOVER
+    try:
+        steps = int(value)
+    except (TypeError, ValueError):
+        steps = -1
+    if steps < 0 or str(value).strip() != str(steps):
+        raise PruneError(f"--recover must be a number of steps >= 0 (0 = no recovery), got {value!r}")
+    return steps
+
+
+def check_out(out: Path) -> None:
+    """``--out`` must be new or an empty folder."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise PruneError(f"--out {out}: exists and is not an empty folder; name a new folder")
+
+
+@dataclass(frozen=True)
+class Splits:
+    """The texts, split: ``train`` (score, refit, recover), ``validation`` (choose stages, stop recovery),
+    ``held_out`` (measured only: the quality the report states)."""
+
+    train: list[str]
+    validation: list[str]
+    held_out: list[str]
+
+    @property
+    def few(self) -> bool:
+        """Fewer than :data:`FEW_TEXTS` texts in all: the report's quality may not carry over."""
+        return len(self.train) + len(self.validation) + len(self.held_out) < FEW_TEXTS
+
+
+def _evenly(n: int, k: int) -> set[int]:
+    """``k`` indices spread evenly through ``range(n)``."""
+    return {int((i + 0.5) * n / k) for i in range(k)}
+
+
+def split_texts(texts: Sequence[str], held_out: float = 0.2, validation: float = 0.1) -> Splits:
+    """Deterministic split: ``max(8, round(held_out * n))`` texts evenly spaced through the file are held
+    out, then ``max(4, round(validation * n))`` evenly spaced through the rest validate; :class:`PruneError`
+    below :data:`MIN_TEXTS` texts."""
+    n = len(texts)
+    if n < MIN_TEXTS:
+        raise PruneError(
+            f"--data: {n} text(s) is too few: multihead prune needs at least {MIN_TEXTS} ({MIN_HELD_OUT} held "
+            f"out to measure quality, {MIN_VALIDATION} to validate, {MIN_TRAIN} to prune and recover on)"
+        )
+    held = _evenly(n, max(MIN_HELD_OUT, round(held_out * n)))
+    rest = [t for i, t in enumerate(texts) if i not in held]
+    val = _evenly(len(rest), max(MIN_VALIDATION, round(validation * n)))
+    return Splits(
+        [t for i, t in enumerate(rest) if i not in val],
+        [t for i, t in enumerate(rest) if i in val],
+        [t for i, t in enumerate(texts) if i in held],
+    )
+
+
+def encode(tokenizer: Any, texts: Sequence[str], max_length: int | None, truncate: bool) -> list[list[int]]:
+    """Token ids of each text (special tokens added); :class:`PruneError` for one over ``max_length``."""
+    with model_dir.quiet_tokenizer():
+        ids = [list(x) for x in tokenizer(list(texts), add_special_tokens=True)["input_ids"]]
+    if max_length is None:
+        return ids
+    for i, row in enumerate(ids):
+        if len(row) > max_length:
+            if not truncate:
+                raise PruneError(
+                    f"--data: text {i + 1} ({texts[i][:40]!r}...) is {len(row)} tokens, longer than the "
+                    f"model takes ({max_length}); shorten it or pass --truncate"
+                )
+            ids[i] = row[:max_length]
+    return ids

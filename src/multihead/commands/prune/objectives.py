@@ -1,0 +1,352 @@
+"""The objective a checkpoint's heads are scored, distilled and measured with: one class per kind.
+
+Dimensions: B batch, L tokens, L' a hidden state's tokens, E hidden width, V vocabulary, N texts,
+P = N (N - 1) / 2 pairs of texts.
+
+Each :class:`Objective` holds its labels (:meth:`~Objective.labels`), its loss (head importance),
+its distillation term (:meth:`~Objective.distill`) and its held-out quality (:meth:`~Objective.quality`):
+
+==================== ================== ============================== ==============================
+checkpoint kind       class               loss (scores the heads)        quality (1.0 = the original)
+==================== ================== ============================== ==============================
+causal LM             :class:`CausalLM`   next-token cross-entropy        held-out perplexity ratio
+masked LM             :class:`MaskedLM`   masked-token cross-entropy      held-out perplexity ratio
+encoder-decoder       :class:`Seq2Seq`    denoising cross-entropy         held-out perplexity ratio
+bare encoder/decoder  :class:`Embedding`  in-batch contrastive (InfoNCE)  Spearman of pair similarities
+==================== ================== ============================== ==============================
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = [
+    "OBJECTIVES",
+    "Batch",
+    "CausalLM",
+    "Embedding",
+    "MaskedLM",
+    "Objective",
+    "Outputs",
+    "Seq2Seq",
+    "contrastive_loss",
+    "make_batches",
+    "mean_pool",
+    "pair_similarities",
+    "spearman",
+]
+
+TEMPERATURE = 0.05  # of the contrastive loss: cosine similarities / 0.05
+MASK_RATE = 0.15  # tokens masked for the masked-token and denoising objectives
+
+
+@dataclass
+class Batch:
+    """One batch: the model's inputs, the LM labels (-100 = ignored) or the original model's embeddings."""
+
+    inputs: dict[str, Tensor]  # input_ids (B, L), attention_mask (B, L)
+    labels: Tensor | None = None  # (B, L) for the LM objectives
+    target: Tensor | None = None  # (B, E) the original model's mean-pooled embeddings (contrastive)
+
+
+@dataclass
+class Outputs:
+    """What distillation compares: hidden states (each (B, L', E)) with their token masks, and the output."""
+
+    hidden: list[Tensor]
+    masks: list[Tensor]  # (B, L') each, 1 = a real token
+    out: Tensor  # (B, E) embeddings or (B, L, V) logits
+
+    def nbytes(self) -> int:
+        return (
+            sum(h.numel() * h.element_size() for h in self.hidden)
+            + self.out.numel() * self.out.element_size()
+        )
+
+
+class Objective:
+    """How one kind of checkpoint is scored, distilled toward the original and measured (a base class).
+
+    ``name`` is what the report prints; ``metric`` names :meth:`quality`'s number and ``higher_is_better``
+    its direction; :meth:`goodness` turns it into a number where higher is always better.
+    """
+
+    name: ClassVar[str]
+    metric: ClassVar[str]
+    direction: ClassVar[str]
+    higher_is_better: ClassVar[bool]
+
+    def labels(self, input_ids: Tensor, attention: Tensor, tokenizer: Any, gen: torch.Generator) -> Batch:
+        """The batch of ``input_ids`` (B, L) / ``attention`` (B, L) with this objective's inputs and labels."""
+        return Batch({"input_ids": input_ids, "attention_mask": attention})
+
+    def prepare(self, original: nn.Module, batches: Sequence[Batch]) -> None:
+        """Store what the loss needs from the original model in ``batches`` (nothing by default)."""
+
+    def forward(self, model: nn.Module, batch: Batch) -> Any:
+        """``model`` run on ``batch`` (its outputs), as the other methods run it."""
+        return model(**batch.inputs)
+
+    def loss(self, model: nn.Module, batch: Batch) -> Tensor:
+        """The scalar loss whose gradients score the heads (:func:`multihead.heads.importance`)."""
+        return model(**batch.inputs, labels=batch.labels).loss
+
+    def outputs(self, model: nn.Module, batch: Batch) -> Outputs:
+        """``model``'s hidden states of every layer and its output on ``batch``."""
+        o = model(**batch.inputs, output_hidden_states=True)
+        hidden = list(o.hidden_states)
+        return Outputs(hidden, [batch.inputs["attention_mask"]] * len(hidden), o.logits)
+
+    def distill(self, student: Outputs, teacher: Outputs) -> Tensor:
+        """Distillation loss: per-layer hidden-state error (each layer's mean squared error over real tokens
+        divided by the teacher's mean square, averaged over layers) plus :meth:`output_term`."""
+        terms = []
+        for s, t, m in zip(student.hidden, teacher.hidden, teacher.masks, strict=True):
+            w = m.unsqueeze(-1).to(s.dtype)  # (B, L', 1)
+            terms.append(((s - t) ** 2 * w).sum() / (t**2 * w).sum().clamp_min(1e-12))
+        return torch.stack(terms).mean() + self.output_term(student, teacher)
+
+    def output_term(self, student: Outputs, teacher: Outputs) -> Tensor:
+        """KL(teacher || student) of the next-token distributions over real tokens (LM objectives)."""
+        m = teacher.masks[-1].bool()  # (B, L)
+        log_s = F.log_softmax(student.out[m], dim=-1)  # (n, V)
+        log_t = F.log_softmax(teacher.out[m], dim=-1)  # (n, V)
+        return F.kl_div(log_s, log_t, log_target=True, reduction="batchmean")
+
+    def reference(self, original: nn.Module, batches: Sequence[Batch]) -> Any:
+        """What :meth:`quality` compares with: the original's token-weighted mean loss on ``batches``."""
+        return _mean_loss(original, batches)
+
+    def quality(self, model: nn.Module, reference: Any, batches: Sequence[Batch]) -> float:
+        """Perplexity ratio ``exp(loss - original loss)`` on ``batches`` (1.0 = unchanged, higher is worse)."""
+        return math.exp(_mean_loss(model, batches) - reference)
+
+    def goodness(self, value: float) -> float:
+        """``value`` of :meth:`quality` as a number where higher is better (to compare stages)."""
+        return value if self.higher_is_better else -value
+
+
+class _LanguageModel(Objective):
+    metric = "perplexity ratio"
+    direction = "1.0 = unchanged, higher is worse"
+    higher_is_better = False
+
+
+class CausalLM(_LanguageModel):
+    """A causal LM (``...ForCausalLM``): next-token loss; every real token is a label."""
+
+    name = "next-token"
+
+    def labels(self, input_ids: Tensor, attention: Tensor, tokenizer: Any, gen: torch.Generator) -> Batch:
+        labels = input_ids.masked_fill(attention == 0, -100)  # (B, L)
+        return Batch({"input_ids": input_ids, "attention_mask": attention}, labels)
+
+
+def _mask_tokens(
+    input_ids: Tensor, attention: Tensor, tokenizer: Any, gen: torch.Generator
+) -> tuple[Tensor, Tensor]:
+    """``(masked input_ids, picked)``: ``MASK_RATE`` of each text's ordinary tokens (at least one) picked
+    with ``gen`` and replaced by the mask token (when the tokenizer has one); both (B, L)."""
+    special = torch.tensor(sorted(set(getattr(tokenizer, "all_special_ids", []))), dtype=torch.long)
+    real = attention.bool() & ~torch.isin(input_ids, special)  # (B, L)
+    pick = (torch.rand(input_ids.shape, generator=gen) < MASK_RATE) & real  # (B, L)
+    first = real & (real.long().cumsum(1) == 1)  # each text's first ordinary token
+    pick |= first & ~pick.any(1, keepdim=True)  # at least one masked token per text
+    mask_id = getattr(tokenizer, "mask_token_id", None)
+    return (input_ids if mask_id is None else input_ids.masked_fill(pick, mask_id)), pick
+
+
+class MaskedLM(_LanguageModel):
+    """A masked LM (``...ForMaskedLM``): the masked tokens are the labels."""
+
+    name = "masked-token"
+
+    def labels(self, input_ids: Tensor, attention: Tensor, tokenizer: Any, gen: torch.Generator) -> Batch:
+        masked, pick = _mask_tokens(input_ids, attention, tokenizer, gen)
+        return Batch({"input_ids": masked, "attention_mask": attention}, input_ids.masked_fill(~pick, -100))
+
+
+class Seq2Seq(_LanguageModel):
+    """An encoder-decoder (``...ForConditionalGeneration``): denoising, the decoder rebuilds the whole text
+    from a masked copy; distillation compares encoder and decoder hidden states."""
+
+    name = "denoising"
+
+    def labels(self, input_ids: Tensor, attention: Tensor, tokenizer: Any, gen: torch.Generator) -> Batch:
+        masked, _ = _mask_tokens(input_ids, attention, tokenizer, gen)
+        return Batch(
+            {"input_ids": masked, "attention_mask": attention}, input_ids.masked_fill(attention == 0, -100)
+        )
+
+    def forward(self, model: nn.Module, batch: Batch) -> Any:
+        return model(**batch.inputs, labels=batch.labels)  # the decoder's inputs are the shifted labels
+
+    def outputs(self, model: nn.Module, batch: Batch) -> Outputs:
+        o = model(**batch.inputs, labels=batch.labels, output_hidden_states=True)
+        dec = (batch.labels != -100).long()  # type: ignore[union-attr]  # (B, L)
+        att = batch.inputs["attention_mask"]
+        masks = [att] * len(o.encoder_hidden_states) + [dec] * len(o.decoder_hidden_states)
+        return Outputs([*o.encoder_hidden_states, *o.decoder_hidden_states], masks, o.logits)
+
+
+class Embedding(Objective):
+    """A bare encoder (or decoder) giving sentence embeddings: mean-pooled last hidden states.
+
+    Loss: in-batch contrastive (:func:`contrastive_loss`) of the model's embeddings against the
+    *original* model's (a distance to the original output would have zero gradient at the unpruned model,
+    and so no scores). Quality: Spearman rank correlation of the pairwise cosine similarities of the
+    held-out texts with the original's.
+    """
+
+    name = "contrastive"
+    metric = "spearman of pairwise similarities"
+    direction = "1.0 = same order as the original"
+    higher_is_better = True
+
+    def prepare(self, original: nn.Module, batches: Sequence[Batch]) -> None:
+        with torch.no_grad():
+            for b in batches:
+                b.target = embed(original, b)
+
+    def loss(self, model: nn.Module, batch: Batch) -> Tensor:
+        assert batch.target is not None, "Embedding.prepare(original, batches) first"
+        return contrastive_loss(embed(model, batch), batch.target)
+
+    def outputs(self, model: nn.Module, batch: Batch) -> Outputs:
+        o = model(**batch.inputs, output_hidden_states=True)
+        hidden, att = list(o.hidden_states), batch.inputs["attention_mask"]
+        return Outputs(hidden, [att] * len(hidden), mean_pool(hidden[-1], att))
+
+    def output_term(self, student: Outputs, teacher: Outputs) -> Tensor:
+        """:func:`contrastive_loss` of the student's embeddings against the teacher's, plus ``1 - cos``."""
+        cos = F.cosine_similarity(student.out, teacher.out, dim=-1)  # (B,)
+        return contrastive_loss(student.out, teacher.out) + (1 - cos).mean()
+
+    def reference(self, original: nn.Module, batches: Sequence[Batch]) -> Tensor:
+        """The original's embeddings of the texts of ``batches``, (N, E)."""
+        with torch.no_grad():
+            return torch.cat([embed(original, b) for b in batches])
+
+    def quality(self, model: nn.Module, reference: Tensor, batches: Sequence[Batch]) -> float:
+        with torch.no_grad():
+            emb = torch.cat([embed(model, b) for b in batches])  # (N, E)
+        return spearman(pair_similarities(emb), pair_similarities(reference))
+
+
+OBJECTIVES: dict[str, type[Objective]] = {
+    "encoder": Embedding,
+    "decoder": Embedding,
+    "masked-lm": MaskedLM,
+    "causal-lm": CausalLM,
+    "encoder-decoder": Seq2Seq,
+}
+"""Checkpoint kind (:data:`multihead.commands.model_dir.KINDS`) -> its objective's class."""
+
+
+def make_batches(
+    ids: Sequence[list[int]],
+    tokenizer: Any,
+    objective: Objective,
+    batch_size: int,
+    seed: int,
+    *,
+    mix: bool = False,
+) -> list[Batch]:
+    """Batches of texts, right-padded, with ``objective``'s labels.
+
+    By default each batch holds texts of similar length (fewer pads). ``mix=True`` deals the texts out in
+    an order shuffled by ``seed`` instead, so each batch holds texts of every length: what recovery trains
+    on, because the contrastive terms compare a batch's texts with each other, and held-out quality
+    compares texts of any lengths. Masks are drawn with a generator seeded by ``seed``: the same call gives
+    the same batches every run.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    if mix:
+        order = torch.randperm(len(ids), generator=gen).tolist()
+    else:
+        order = sorted(range(len(ids)), key=lambda i: (len(ids[i]), i))
+    pad = _pad_id(tokenizer)
+    out = []
+    for start in range(0, len(order), batch_size):
+        rows = [ids[i] for i in order[start : start + batch_size]]
+        width = max(len(r) for r in rows)
+        input_ids = torch.full((len(rows), width), pad, dtype=torch.long)  # (B, L)
+        attention = torch.zeros(len(rows), width, dtype=torch.long)  # (B, L)
+        for b, r in enumerate(rows):
+            input_ids[b, : len(r)] = torch.tensor(r)
+            attention[b, : len(r)] = 1
+        out.append(objective.labels(input_ids, attention, tokenizer, gen))
+    return out
+
+
+def _pad_id(tokenizer: Any) -> int:
+    for name in ("pad_token_id", "eos_token_id", "unk_token_id"):
+        value = getattr(tokenizer, name, None)
+        if isinstance(value, int):
+            return value
+    return 0
+
+
+def _mean_loss(model: nn.Module, batches: Sequence[Batch]) -> float:
+    """Token-weighted mean of ``model``'s loss over ``batches`` (LM objectives)."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for b in batches:
+            n = int((b.labels != -100).sum())  # type: ignore[union-attr]
+            total += float(model(**b.inputs, labels=b.labels).loss) * n
+            count += n
+    return total / max(1, count)
+
+
+def mean_pool(hidden: Tensor, attention_mask: Tensor) -> Tensor:
+    """Mean of the real tokens' vectors: hidden (B, L, E), mask (B, L) -> (B, E)."""
+    m = attention_mask.unsqueeze(-1).to(hidden.dtype)  # (B, L, 1)
+    return (hidden * m).sum(1) / m.sum(1).clamp_min(1)
+
+
+def embed(model: nn.Module, batch: Batch) -> Tensor:
+    """The model's mean-pooled last hidden state (B, E) (what sentence-embedding models output)."""
+    return mean_pool(model(**batch.inputs).last_hidden_state, batch.inputs["attention_mask"])
+
+
+def contrastive_loss(emb: Tensor, target: Tensor, temperature: float = TEMPERATURE) -> Tensor:
+    """In-batch contrastive loss (InfoNCE) of embeddings ``emb`` (B, E) against ``target`` (B, E).
+
+    Text i's embedding must be closer (cosine) to target i than to the batch's other targets:
+    ``cross_entropy(cos(emb_i, target_j) / temperature, i)``. At ``emb == target`` its gradient is not
+    zero (the softmax is never one-hot), so it scores heads even at the unpruned model.
+    """
+    logits = F.normalize(emb, dim=-1) @ F.normalize(target, dim=-1).T / temperature  # (B, B)
+    return F.cross_entropy(logits, torch.arange(len(emb), device=emb.device))
+
+
+def _ranks(x: Tensor) -> Tensor:
+    """Ranks of ``x`` (N,) from 0, ties given their average rank."""
+    order = torch.argsort(x)
+    r = torch.empty_like(x)
+    r[order] = torch.arange(len(x), dtype=x.dtype)
+    uniq, inv = torch.unique(x, return_inverse=True)
+    sums = torch.zeros(len(uniq), dtype=x.dtype).index_add_(0, inv, r)
+    return (sums / torch.bincount(inv, minlength=len(uniq)).to(x.dtype))[inv]
+
+
+def spearman(a: Tensor, b: Tensor) -> float:
+    """Spearman rank correlation of two (N,) tensors (Pearson correlation of their average ranks)."""
+    ra, rb = _ranks(a.double()), _ranks(b.double())
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    denom = (ra.norm() * rb.norm()).item()
+    return float((ra @ rb).item() / denom) if denom > 0 else float("nan")
+
+
+def pair_similarities(emb: Tensor) -> Tensor:
+    """Cosine similarity of every pair of rows of ``emb`` (N, E) -> (P,) (upper triangle, row-major)."""
+    z = F.normalize(emb, dim=-1)
+    i, j = torch.triu_indices(len(emb), len(emb), offset=1)
+    return (z[i] * z[j]).sum(-1)  # (P,)

@@ -1,0 +1,173 @@
+"""Closed-form refit of each pruned layer's output projection (least squares, layer by layer).
+
+Dimensions: n tokens, I = H' * Dv the projection's input (the kept heads, merged), O its output width.
+
+After pruning, an attention layer's output projection sees only the kept heads: ``y' = W' x' + b``
+where the original computed ``y = W x + b`` from every head. :func:`refit` chooses ``W'`` and ``b`` so
+that the kept heads reproduce the original layer's output on the calibration tokens as well as a linear
+map can (ordinary least squares with a small ridge, over the tokens of every text): the part of the
+removed heads' output that the kept heads predict, and its mean (the bias), are put back (FLAP's bias
+compensation and SliceGPT's/OBS-style layer-wise reconstruction do the same kind of thing). Layers are
+refit in the order they run, each on the inputs the already refit layers before it give, so a later
+layer also corrects what earlier ones could not. Calibration tokens far outnumber the I + 1 unknowns
+per output, so the fit generalises (see ``benchmarks/results/prune.md``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from ...heads.naming import attention_modules
+from ...nn.attention import MultiHeadAttention
+from .objectives import Batch, Objective
+
+__all__ = ["RIDGE", "LeastSquares", "Projection", "output_projection", "refit"]
+
+RIDGE = 1e-3
+"""Ridge of the fit, relative to the mean diagonal of X^T X (keeps it solvable with few tokens)."""
+
+
+class LeastSquares:
+    """Accumulates the normal equations of ``y ~ W x + b`` over token rows and solves them.
+
+    ``add(x (n, I), y (n, O))`` as often as needed (float64 sums), then ``solve()`` ->
+    ``(W (O, I), b (O,))`` minimising ``sum ||W x + b - y||^2 + ridge * mean(diag(X^T X)) * ||W||^2``
+    (``solve(bias=False)``: the same without ``b``, for a projection that has no bias).
+    """
+
+    def __init__(self, d_in: int, d_out: int) -> None:
+        self.gram = torch.zeros(d_in + 1, d_in + 1, dtype=torch.float64)  # [X 1]^T [X 1]
+        self.cross = torch.zeros(d_in + 1, d_out, dtype=torch.float64)  # [X 1]^T Y
+        self.rows = 0
+
+    def add(self, x: Tensor, y: Tensor) -> None:
+        x1 = torch.cat([x.double(), torch.ones(len(x), 1, dtype=torch.float64)], 1)  # (n, I + 1)
+        self.gram += x1.T @ x1
+        self.cross += x1.T @ y.double()
+        self.rows += len(x)
+
+    def solve(self, ridge: float = RIDGE, *, bias: bool = True) -> tuple[Tensor, Tensor | None]:
+        """``(W (O, I), b (O,))``; with ``bias=False`` the fit has no intercept and ``b`` is None."""
+        d = len(self.gram) - 1
+        k = d + 1 if bias else d
+        g = self.gram[:k, :k].clone()
+        g[range(d), range(d)] += ridge * g.diagonal()[:d].mean().clamp_min(1e-12)  # the bias is not shrunk
+        sol = torch.linalg.solve(g, self.cross[:k])  # (k, O)
+        return sol[:d].T, (sol[d] if bias else None)
+
+
+@dataclass
+class Projection:
+    """An attention module's output projection: the layer, and whether it stores its weight (in, out)."""
+
+    layer: nn.Module
+    transposed: bool = False  # transformers' Conv1D (GPT-2) keeps (in, out); nn.Linear keeps (out, in)
+
+    @property
+    def has_bias(self) -> bool:
+        return getattr(self.layer, "bias", None) is not None
+
+    def set(self, weight: Tensor, bias: Tensor | None) -> None:
+        """Replace the weight (O, I) and the bias (O,), if the layer has one, in place (dtype kept)."""
+        w = self.layer.weight
+        with torch.no_grad():
+            w.copy_((weight.T if self.transposed else weight).to(w.dtype))
+            if bias is not None:
+                self.layer.bias.copy_(bias.to(w.dtype))
+
+
+def output_projection(model: nn.Module, name: str, module: nn.Module) -> Projection:
+    """The output projection of attention module ``name`` (multihead's or a Hugging Face one)."""
+    if isinstance(module, MultiHeadAttention):
+        return Projection(module.out_proj)
+    from ...integrations.transformers import ARCHITECTURES
+
+    arch = ARCHITECTURES[type(module).__name__]
+    path = f"{name.rpartition('.')[0]}.{arch.o[3:]}" if arch.o.startswith("../") else f"{name}.{arch.o}"
+    return Projection(model.get_submodule(path.lstrip(".")), arch.conv1d)
+
+
+class _Stop(Exception):
+    """Raised by a capture hook once it has what it needs: the rest of the forward pass is skipped."""
+
+
+def _rows(t: Tensor, mask: Tensor) -> Tensor:
+    """The real tokens' rows of ``t`` (B, L, C) -> (n, C), when ``mask`` (B, L) fits its shape."""
+    return t[mask.bool()] if t.shape[:2] == mask.shape else t.flatten(0, 1)
+
+
+def refit(
+    student: nn.Module,
+    teacher: nn.Module,
+    batches: Sequence[Batch],
+    objective: Objective,
+    modules: Sequence[str],
+    *,
+    ridge: float = RIDGE,
+    progress: Callable[[], None] | None = None,
+) -> None:
+    """Refit the output projections of ``modules`` of ``student`` (pruned) to ``teacher``'s outputs, in place.
+
+    ``modules`` are names of :func:`multihead.heads.attention_modules`, the same in both models. One pass
+    of the teacher records each projection's output on the real tokens of ``batches``; then for each
+    module in the order the model runs them, a pass of the student (stopped at that module) gives the
+    kept heads' output, and :class:`LeastSquares` gives the new weight and bias.
+    """
+    s_mods, t_mods = attention_modules(student), attention_modules(teacher)
+    order = [n for n in s_mods if n in set(modules)]
+    targets: dict[str, list[Tensor]] = {n: [] for n in order}
+    current: dict[str, Tensor] = {}  # the attention mask of the batch being run
+    hooks = []
+    for n in order:
+        layer = output_projection(teacher, n, t_mods[n]).layer
+        hooks.append(layer.register_forward_hook(_recorder(targets[n], current)))
+    with torch.no_grad():
+        try:
+            for b in batches:
+                current["mask"] = b.inputs["attention_mask"]
+                objective.forward(teacher, b)
+        finally:
+            for h in hooks:
+                h.remove()
+    for n in order:
+        proj = output_projection(student, n, s_mods[n])
+        fit: LeastSquares | None = None
+        for b, y in zip(batches, targets[n], strict=True):
+            x = _capture_input(student, proj.layer, objective, b)  # (n, I)
+            fit = fit or LeastSquares(x.shape[1], y.shape[1])
+            fit.add(x, y)
+        assert fit is not None
+        proj.set(*fit.solve(ridge, bias=proj.has_bias))  # a layer without a bias keeps none
+        targets[n].clear()
+        if progress is not None:
+            progress()
+
+
+def _recorder(store: list[Tensor], current: dict[str, Tensor]) -> Callable[..., None]:
+    def hook(layer: nn.Module, args: tuple, output: Tensor) -> None:
+        store.append(_rows(output.detach(), current["mask"]))
+
+    return hook
+
+
+def _capture_input(model: nn.Module, layer: nn.Module, objective: Objective, batch: Batch) -> Tensor:
+    """The real tokens' rows of ``layer``'s input when ``model`` runs ``batch`` (the pass stops there)."""
+    seen: list[Tensor] = []
+
+    def hook(_: nn.Module, args: tuple) -> None:
+        seen.append(_rows(args[0].detach(), batch.inputs["attention_mask"]))
+        raise _Stop
+
+    handle = layer.register_forward_pre_hook(hook)
+    try:
+        with torch.no_grad():
+            objective.forward(model, batch)
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    return seen[0]

@@ -1,0 +1,133 @@
+"""What ``multihead prune`` writes: the pruned folder, the speed comparison, ``prune_report.{json,md}``."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from ...bench.measure import Settings
+from ...bench.pair import time_pair
+from ...progress import Progress
+from ..training import markdown_table
+from .objectives import Objective, make_batches
+
+__all__ = ["markdown", "save", "speed"]
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".h5", ".msgpack", ".onnx", ".ot", ".pt", ".pth", ".ckpt")
+
+
+def speed(
+    original: nn.Module,
+    pruned: nn.Module,
+    ids: Sequence[list[int]],
+    tokenizer: Any,
+    objective: Objective,
+    settings: Settings,
+    progress: bool,
+) -> dict[str, Any]:
+    """Forward time of both models on one batch (up to 32 of the longest texts), in interleaved rounds
+    (:func:`multihead.bench.pair.time_pair`): medians and the per-round speed-up with its quartiles."""
+    chosen = sorted(ids, key=len)[-32:]
+    batch = make_batches(chosen, tokenizer, objective, len(chosen), 0)[0]
+    b, length = batch.inputs["input_ids"].shape
+    with Progress(settings.max_rounds + settings.warmup, "time", enabled=progress) as bar:
+        timing = time_pair(
+            lambda: objective.forward(original, batch),
+            lambda: objective.forward(pruned, batch),
+            settings=settings,
+            note=lambda _: bar.update(1),
+        )
+    return {
+        "batch": b,
+        "tokens": length,
+        "rounds": timing.speedup.n,
+        "original_ms": timing.first_s.median * 1e3,
+        "pruned_ms": timing.second_s.median * 1e3,
+        "speedup": timing.speedup.median,
+        "speedup_q1": timing.speedup.q1,
+        "speedup_q3": timing.speedup.q3,
+    }
+
+
+def save(out: Path, loaded: Any, model: nn.Module, report: dict[str, Any]) -> None:
+    """Write the pruned folder: weights, config, tokenizer, the source's other files, the report."""
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    loaded.tokenizer.save_pretrained(out)
+    for item in Path(loaded.path).iterdir():  # e.g. sentence-transformers' modules.json and 1_Pooling/
+        weights = item.suffix in _WEIGHT_SUFFIXES or item.name.endswith(".index.json")
+        if weights or (out / item.name).exists() or item.name.startswith("."):
+            continue
+        if item.is_dir():
+            shutil.copytree(item, out / item.name)
+        else:
+            shutil.copy2(item, out / item.name)
+    (out / "prune_report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    (out / "prune_report.md").write_text(markdown(report), encoding="utf-8")
+
+
+def _stage_rows(q: dict[str, Any]) -> list[list[str]]:
+    rows = [["stage", "held-out quality", "validation quality", "kept"]]
+    for s in q["stages"]:
+        rows.append(
+            [s["stage"], f"{s['held_out']:.4f}", f"{s['validation']:.4f}", "yes" if s["kept"] else "no"]
+        )
+    return rows
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The report as markdown: what was pruned, what each stage gave, where the numbers came from."""
+    q, s, t = report["quality"], report["speed"], report["texts"]
+    rows = [
+        ["", "original", "pruned"],
+        ["heads", f"{report['heads_before']}", f"{report['heads_after']}"],
+        ["parameters", f"{report['params_before']:,}", f"{report['params_after']:,}"],
+        [
+            f"forward time ({s['batch']} texts x {s['tokens']} tokens)",
+            f"{s['original_ms']:.1f} ms",
+            f"{s['pruned_ms']:.1f} ms (speed-up {s['speedup']:.2f}x [{s['speedup_q1']:.2f}, {s['speedup_q3']:.2f}])",
+        ],
+        [
+            f"held-out {q['metric']}",
+            "1.0 (reference)",
+            f"{q['after_prune']:.4f} pruned, {q['final']:.4f} saved",
+        ],
+    ]
+    rec = report["recovery"]
+    lines = [
+        f"# multihead prune: {report['model']}",
+        "",
+        f"{report['kind']} checkpoint, objective: {report['objective']}; pruned {report['pruned_count']} of "
+        f"{report['heads_before']} heads (`--heads {report['heads_arg']}`); {t['total']} texts: {t['train']} to "
+        f"score, refit and recover on, {t['validation']} to validate (choose stages, stop recovery), "
+        f"{t['held_out']} held out (measured only).",
+        *(["", f"**Warning:** {report['warning']}"] if report.get("warning") else []),
+        "",
+        markdown_table(rows),
+        "",
+        "## Stages",
+        "",
+        markdown_table(_stage_rows(q)),
+        "",
+        f"Quality: {q['metric']} ({q['direction']}). A stage is kept when it improves the validation quality. "
+        f"Recovery: {rec['steps_run']} of at most {rec['steps']} steps, the weights of step {rec['kept_step']} "
+        f"kept (0 = none helped). Speed: forward passes of the two models in {s['rounds']} interleaved rounds on "
+        f"the same batch; median and interquartile range of the per-round ratios. Machine: {report['machine']}. "
+        f"Took {report['seconds']:.0f} s.",
+        "",
+        "## Heads removed (original indices)",
+        "",
+        markdown_table(
+            [["module", "removed", "left"]]
+            + [
+                [name, ", ".join(map(str, report["removed"].get(name, []))) or "-", str(left)]
+                for name, left in report["heads_left"].items()
+            ]
+        ),
+    ]
+    return "\n".join(lines) + "\n"

@@ -59,11 +59,12 @@ __all__ = ["MultiheadAttention", "torch_attention"]
 def _always_call_me(module: nn.Module, args: tuple[object, ...]) -> None:
     """The drop-in's forward pre-hook; it does nothing.
 
-    ``nn.TransformerEncoderLayer.forward`` (torch 2.1 to at least 2.13) skips its fused inference kernel
-    when any module inside the layer carries a forward hook ("forward pre-/hooks are attached to the
-    module"); that kernel would read this module's weights and bypass its ``forward``, so an open
-    ``viz.capture`` or ``heads.masked`` would see nothing. With this hook the layer takes its plain path,
-    which calls the drop-in (tests/test_compat_torch_layers.py checks the kernel is never called).
+    ``nn.TransformerEncoderLayer.forward`` skips its fused inference kernel when any module inside the layer
+    carries a forward hook ("forward pre-/hooks are attached to the module"); that kernel would read this
+    module's weights and bypass its ``forward``, so an open ``viz.capture`` or ``heads.masked`` would see
+    nothing. With this hook the layer takes its plain path, which calls the drop-in. The check is torch's
+    own, not a promise: tests/test_compat_torch_layers.py replaces the kernel with one that raises, so a
+    torch release that dropped the check would fail there, on every torch the suite runs on.
     """
     return None
 

@@ -21,10 +21,14 @@ venv: $(STAMP)
 
 # requirements-dev.txt pins everything (torch exactly: an unpinned torch pulls a multi-GB CUDA build);
 # the project is then installed with its declared dependencies resolved against those pins
-$(STAMP): pyproject.toml requirements-dev.txt
+# requirements-vision.txt (torchvision, open_clip: real models for compat.torch.convert's tests) goes into
+# .venv/vision with --no-deps, outside site-packages: PyPI's torchvision is a CUDA build whose import fails beside
+# the CPU torch, and transformers imports torchvision whenever it finds it (tests/torchvision_env.py)
+$(STAMP): pyproject.toml requirements-dev.txt requirements-vision.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) $(PIP) -r requirements-dev.txt
 	$(PY) $(PIP) --no-build-isolation -c requirements-dev.txt -e ".[dev]"
+	$(PY) $(PIP) --no-deps --upgrade --target $(VENV)/vision -r requirements-vision.txt
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -5,19 +5,19 @@ model that nests nn.TransformerEncoder inside other modules.
 Every check compares the converted model with the unconverted torch model in float64: outputs, gradients,
 state_dict both ways (strict), torch.compile(fullgraph=True), and the head tools (viz.capture, heads.masked
 against torch's model with the head's out_proj columns zeroed, heads.prune, heads.importance, the HTML report).
-torchvision and open_clip come with requirements-dev.txt; where they are not installed (the floor job) their
-cases skip, naming the package.
+torchvision and open_clip come with requirements-vision.txt (tests/torchvision_env.py); where they are not
+installed (the floor job) their cases skip, naming the package.
 """
 
 import copy
 import functools
-import importlib.util
 import logging
 from dataclasses import dataclass
 
 import pytest
 import torch
 import torch._dynamo.testing
+import torchvision_env
 from torch import nn
 
 from multihead import heads, viz
@@ -30,10 +30,11 @@ LOGGER = "multihead.compat.torch.convert"
 
 
 def _needs(package):
-    if importlib.util.find_spec(package) is None:
-        pytest.skip(f"{package} is not installed (requirements-dev.txt installs it; the floor job does not)")
-    import torchvision_env
-
+    if not torchvision_env.available(package):
+        pytest.skip(
+            f"{package} is not installed (requirements-vision.txt, into {torchvision_env.VISION}; `make venv` "
+            f"installs it, the floor job does not)"
+        )
     torchvision_env.load()  # torchvision beside the CPU torch (tests/torchvision_env.py); open_clip imports it
 
 
@@ -353,3 +354,32 @@ def test_revert_refuses_pruned_modules_by_name_and_changes_nothing():
     assert _drop_ins(pruned) == _drop_ins(model)
     with pytest.raises(ValueError, match="num_heads\\*head_dim=3\\*4 != embed_dim=16"):
         pruned.decoder.layers[0].multihead_attn.to_torch()
+
+
+def test_requirements_vision_installs_what_the_dev_pins_lack_and_no_torch():
+    """requirements-vision.txt is installed with --no-deps: each package's own requirements must then be met by
+    the file itself or by the dev venv (torch included: torchvision 0.28.0 requires exactly the pinned torch)."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    if not torchvision_env.VISION.is_dir():
+        pytest.skip(f"{torchvision_env.VISION} is not there (requirements-vision.txt is not installed)")
+    lines = [ln.split("#")[0].strip() for ln in open(torchvision_env.ROOT / "requirements-vision.txt")]
+    pins = {canonicalize_name(ln.split("==")[0]): ln.split("==")[1] for ln in lines if ln}
+    found = {
+        canonicalize_name(d.metadata["Name"]): d
+        for d in metadata.distributions(path=[str(torchvision_env.VISION)])
+    }
+    assert {n: d.version for n, d in found.items()} == pins
+    for dist in found.values():
+        for req in map(Requirement, dist.requires or []):
+            if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+                continue  # an optional extra of theirs
+            if canonicalize_name(req.name) in pins:
+                continue
+            have = metadata.version(req.name)  # raises PackageNotFoundError if the dev venv lacks it
+            assert req.specifier.contains(have, prereleases=True), (
+                f"{dist.metadata['Name']} needs {req}, has {have}"
+            )

@@ -71,8 +71,8 @@ def test_page_runs(page, tmp_path, monkeypatch):
     text = PAGES[page].read_text()
     blocks = python_blocks(text)
     assert len(blocks) == text.count("```python"), f"{page}: a ```python fence the parser did not read"
-    # the optional extras (multihead[keras], multihead[onnx], ...) and the real models of the convert section
-    # (torchvision, open_clip); requirements-dev installs them all, the floor job not all
+    # the optional extras (multihead[keras], multihead[onnx], ...; requirements-dev installs them) and the real
+    # models of the convert section (torchvision, open_clip: requirements-vision.txt); the floor job has not all
     missing = _missing(HIDDEN_NEEDS.get(page, ()))
     if missing:
         pytest.skip(f"{page} needs {missing} (not installed)")
@@ -81,10 +81,13 @@ def test_page_runs(page, tmp_path, monkeypatch):
     namespace = {"__name__": f"docs.{PAGES[page].stem}"}
     for line, code in blocks:
         needs = imported_packages([(line, code)])
-        missing = _missing(needs)
+        vision = needs & {"torchvision", "open_clip"}  # requirements-vision.txt, a folder of their own
+        missing = sorted(
+            {n for n in vision if not torchvision_env.available(n)} | set(_missing(needs - vision))
+        )
         if missing:  # the blocks before it ran; those after it may use its names, so they skip with it
             pytest.skip(f"{page} from line {line} on needs {missing} (not installed)")
-        if needs & {"torchvision", "open_clip"}:
+        if vision:
             torchvision_env.load()  # torchvision's CUDA wheel beside the CPU torch (see that module)
         # compile with the page as file name and the block's offset, so tracebacks point into the page
         exec(compile("\n" * (line - 1) + code, str(PAGES[page]), "exec"), namespace)

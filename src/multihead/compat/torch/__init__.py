@@ -1,19 +1,15 @@
 """PyTorch's attention API over multihead.
 
 * :class:`MultiheadAttention` -- a drop-in for ``torch.nn.MultiheadAttention``: same arguments, returns,
-  masks and ``state_dict``, also inside torch's ``nn.Transformer*`` layers (:mod:`.attention`);
+  masks and ``state_dict``, also inside torch's ``nn.Transformer*`` layers (:mod:`.attention`; torch's
+  conventions and errors at its boundary: :mod:`.boundary`);
 * :func:`convert` / :func:`revert` -- every ``nn.MultiheadAttention`` of a model you already have
   (a torchvision ViT, an open_clip model, an ``nn.Transformer``) swapped for the drop-in and back, exact
   weights and the same ``state_dict`` keys (:mod:`.convert`).
 """
 
-from .attention import (
-    IsCausalError,
-    MaskDtypeError,
-    MultiheadAttention,
-    MultiheadAttentionError,
-    torch_attention,
-)
+from .attention import MultiheadAttention, torch_attention
+from .boundary import IsCausalError, MaskDtypeError, MultiheadAttentionError
 from .convert import convert, revert
 
 __all__ = [

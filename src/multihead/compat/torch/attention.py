@@ -45,24 +45,26 @@ from ...core.masks import causal, combine
 from ...nn import seam
 from ...nn.attention import MultiHeadAttention as _CoreMHA
 from ...nn.attention import map_inputs, merge_heads, split_heads
+from .boundary import (
+    IsCausalError,
+    _keep_and_bias,
+    _pad_keys,
+    _shape,
+    _torch_says,
+)
 
-__all__ = [
-    "IsCausalError",
-    "MaskDtypeError",
-    "MultiheadAttention",
-    "MultiheadAttentionError",
-    "torch_attention",
-]
+__all__ = ["MultiheadAttention", "torch_attention"]
 
 
 def _always_call_me(module: nn.Module, args: tuple[object, ...]) -> None:
     """The drop-in's forward pre-hook; it does nothing.
 
-    ``nn.TransformerEncoderLayer.forward`` (torch 2.1 to at least 2.13) skips its fused inference kernel
-    when any module inside the layer carries a forward hook ("forward pre-/hooks are attached to the
-    module"); that kernel would read this module's weights and bypass its ``forward``, so an open
-    ``viz.capture`` or ``heads.masked`` would see nothing. With this hook the layer takes its plain path,
-    which calls the drop-in (tests/test_compat_torch_layers.py checks the kernel is never called).
+    ``nn.TransformerEncoderLayer.forward`` skips its fused inference kernel when any module inside the layer
+    carries a forward hook ("forward pre-/hooks are attached to the module"); that kernel would read this
+    module's weights and bypass its ``forward``, so an open ``viz.capture`` or ``heads.masked`` would see
+    nothing. With this hook the layer takes its plain path, which calls the drop-in. The check is torch's
+    own, not a promise: tests/test_compat_torch_layers.py replaces the kernel with one that raises, so a
+    torch release that dropped the check would fail there, on every torch the suite runs on.
     """
     return None
 
@@ -104,63 +106,6 @@ def torch_attention(
     assert weights is not None
     weights = F.dropout(weights, p=dropout)  # (N, H, L, S)
     return AttentionOutput(torch.matmul(weights, v), weights)  # (N, H, L, D)
-
-
-class MultiheadAttentionError(ValueError, AssertionError):
-    """A bad argument or shape: torch.nn.MultiheadAttention raises ``AssertionError`` here, the library
-    ``ValueError``; this is both, so ``except AssertionError`` written against torch still catches it."""
-
-
-class IsCausalError(ValueError, RuntimeError):
-    """``is_causal=True`` without ``attn_mask`` (torch raises ``RuntimeError`` here; this is both)."""
-
-
-class MaskDtypeError(ValueError, RuntimeError):
-    """A float mask whose dtype is not the query's (torch raises ``RuntimeError`` here; this is both)."""
-
-
-def _torch_says(torch_text: str, fix: str) -> MultiheadAttentionError:
-    """torch's own message (what code written against torch matches on), then the library's fix."""
-    return MultiheadAttentionError(f"{torch_text}. {fix}")
-
-
-def _keep_and_bias(m: Tensor | None, name: str, dtype: torch.dtype) -> tuple[Tensor | None, Tensor | None]:
-    """A torch-style mask to (keep, bias): bool ``True`` = masked out becomes keep ``False``."""
-    if m is None:
-        return None, None
-    if not isinstance(m, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor (bool or float) or None, got {type(m).__name__}")
-    if m.dtype == torch.bool:
-        return ~m, None
-    if m.is_floating_point():
-        if m.dtype != dtype:  # torch refuses it too (in SDPA or baddbmm); converting would hide the mismatch
-            raise MaskDtypeError(
-                f"Expected {name} dtype to be bool or float or to match query dtype, but got {name}.dtype: "
-                f"{m.dtype} and query.dtype: {dtype} instead. A float {name} is added to the scores in the "
-                f"query's dtype: convert it with `{name}.to({dtype})`, or pass a bool mask (True = masked out)"
-            )
-        return None, m
-    raise _torch_says(
-        f"only bool and floating types of {name} are supported",
-        f"{name} must be bool (True = masked out) or floating point (added to the scores), got dtype "
-        f"{m.dtype}; convert with `{name}.bool()`",
-    )
-
-
-def _shape(t: Tensor) -> str:
-    """A tensor's shape for a message; a nested tensor's sizes are ragged, so only its rank."""
-    return f"(nested, {t.dim()}-D)" if t.is_nested else str(tuple(t.shape))
-
-
-def _pad_keys(keep: Tensor | None, bias: Tensor | None, extra: int) -> tuple[Tensor | None, Tensor | None]:
-    """Append ``extra`` always-allowed key columns (for bias_k/bias_v and add_zero_attn)."""
-    if extra == 0:
-        return keep, bias
-    if keep is not None:
-        keep = F.pad(keep, (0, extra), value=True)  # (..., S')
-    if bias is not None:
-        bias = F.pad(bias, (0, extra), value=0.0)  # (..., S')
-    return keep, bias
 
 
 def _nested_like(query: Tensor, parts: list[Tensor]) -> Tensor:

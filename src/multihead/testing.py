@@ -167,7 +167,9 @@ def cpu_capabilities() -> list[str]:
         )
         for cap in CPU_CAPABILITIES
     }
-    return [cap for cap, run in runs.items() if run.communicate()[0].strip().lower() == cap]
+    # torch before 2.13 reports the unvectorised kernels as "NO AVX"
+    reported = {cap: {cap, "no avx"} if cap == "default" else {cap} for cap in CPU_CAPABILITIES}
+    return [cap for cap, run in runs.items() if run.communicate()[0].strip().lower() in reported[cap]]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -31,23 +31,38 @@ while rank P-1 attends to everything; zigzag gives every rank the same amount of
 skip the key blocks (or the query rows) that the causal mask hides entirely.
 """
 
+from .context import ContextParallel, context_parallel, shard_batch
+from .hybrid import HybridGroups, hybrid_attention
 from .launch import launch
-from .modules import RingAttention, ShardedAttention, UlyssesAttention, sharded_attention, use_process_group
+from .modules import (
+    HybridAttention,
+    RingAttention,
+    ShardedAttention,
+    UlyssesAttention,
+    sharded_attention,
+    use_process_group,
+)
 from .ring import ring_attention
 from .sharding import LAYOUTS, causal_work, gather_sequence, shard, unshard
 from .ulysses import head_split, ulysses_attention
 
 __all__ = [
     "LAYOUTS",
+    "ContextParallel",
+    "HybridAttention",
+    "HybridGroups",
     "RingAttention",
     "ShardedAttention",
     "UlyssesAttention",
     "causal_work",
+    "context_parallel",
     "gather_sequence",
     "head_split",
+    "hybrid_attention",
     "launch",
     "ring_attention",
     "shard",
+    "shard_batch",
     "sharded_attention",
     "unshard",
     "ulysses_attention",

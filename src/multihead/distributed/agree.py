@@ -63,7 +63,7 @@ class Meta(NamedTuple):
     strategy: int  # index in STRATEGIES
 
 
-_PER_RANK = ("lq", "lk")  # fields that may differ between ranks
+_PER_RANK = ("lq", "lk", "key_mask")  # fields that may differ between ranks (no key_mask: all keys real)
 _NAMES = {"batch": "B", "heads": "H", "kv_heads": "Hkv", "dk": "Dk", "dv": "Dv", "lq": "Lq", "lk": "Lk"}
 _CHOICES = {"layout": LAYOUTS, "strategy": STRATEGIES, "kernel": KERNELS, "dtype": _DTYPES}
 
@@ -285,7 +285,7 @@ def make_plan(
         causal_offset=(sum(map(len, k_pos)) - sum(map(len, q_pos_all))) if causal else None,
         scale=scale,
         valid_lens=valid_lens,
-        has_key_mask=key_mask is not None,
+        has_key_mask=any(row.key_mask for row in table),
         q_ids=None if ids is None else ids[0],
         kv_ids=None if ids is None else ids[1],
         kernel=choose_kernel(block_kernel, q.device, compute, mine_meta.dk, mine_meta.dv),

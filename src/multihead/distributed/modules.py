@@ -25,11 +25,13 @@ from ..core import masks as _masks
 from ..core.options import AttentionOptions, OptionsAttention
 from ..nn.attention import MultiHeadAttention
 from ..nn.seam import check_positions
+from .hybrid import HybridGroups, hybrid_attention
 from .ring import ring_attention
 from .sharding import check_layout
 from .ulysses import ulysses_attention
 
 __all__ = [
+    "HybridAttention",
     "RingAttention",
     "ShardedAttention",
     "UlyssesAttention",
@@ -64,13 +66,14 @@ class ShardedAttention(OptionsAttention):
     """What every sequence-parallel attention function holds: q, k, v are this rank's shards.
 
     ``group`` the process group; ``layout`` how sequences are cut (:data:`~multihead.distributed.LAYOUTS`);
-    ``local`` the module's attention function before this one was installed (restored on the way out).
+    ``local`` the module's attention function before :func:`use_process_group` installed this one (it
+    restores it; :func:`~multihead.distributed.context_parallel` keeps its own record).
     Subclasses refuse, besides their own limits, what needs the whole (Lq, Lk) score matrix on one rank.
     """
 
     group: Any
     layout: str
-    local: Callable[..., Any]
+    local: Callable[..., Any] | None = None
     sharded: ClassVar[bool] = True  # read by multihead.nn.seam: positions (rotary, KV cache) are per rank
 
     def why_not(self, q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions) -> Iterator[str]:
@@ -107,6 +110,33 @@ class RingAttention(ShardedAttention):
             v,
             causal=options.causal,
             group=self.group,
+            layout=self.layout,
+            valid_lens=options.valid_lens,
+            key_mask=key_mask_of(options.mask, q, k),
+            segment_ids=options.segment_ids,
+            scale=options.scale,
+        )
+
+
+@dataclass(frozen=True)
+class HybridAttention(RingAttention):
+    """Hybrid (USP) attention as an ``attention_fn``: Ulysses within ``groups.ulysses_size`` ranks, the ring
+    across (:func:`~multihead.distributed.hybrid.hybrid_attention`); serves what :class:`RingAttention`
+    serves. ``groups`` are made once (:meth:`~multihead.distributed.hybrid.HybridGroups.create`)."""
+
+    name: ClassVar[str] = "hybrid (ulysses x ring) attention over a process group"
+    groups: HybridGroups | None = None
+
+    def serve(self, q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions, backend: str) -> Tensor:
+        del backend
+        if self.groups is None:
+            raise ValueError("HybridAttention needs groups=HybridGroups.create(group, ulysses_size)")
+        return hybrid_attention(
+            q,
+            k,
+            v,
+            groups=self.groups,
+            causal=options.causal,
             layout=self.layout,
             valid_lens=options.valid_lens,
             key_mask=key_mask_of(options.mask, q, k),

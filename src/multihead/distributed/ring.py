@@ -38,7 +38,7 @@ from .blocks import (
     prepare,
 )
 
-__all__ = ["ring_attention"]
+__all__ = ["ring_attention", "ring_with_plan"]
 
 # P2P tags: K, V, the key mask, dK and dV may all be in flight between the same two ranks at once
 _TAG_K, _TAG_V, _TAG_MASK, _TAG_DK, _TAG_DV, _TAG_IDS = 1, 2, 3, 4, 5, 6
@@ -344,4 +344,14 @@ def ring_attention(
         segment_ids=segment_ids,
         block_kernel=block_kernel,
     )
-    return _RingAttention.apply(q, k, v, key_mask, plan)
+    return ring_with_plan(q, k, v, key_mask, plan)
+
+
+def ring_with_plan(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None, plan: Plan) -> Tensor:
+    """The ring over an agreed :class:`~.agree.Plan` (what :func:`ring_attention` runs after agreeing):
+    q (B, H, Lq, Dk), k (B, Hkv, Lk, Dk), v (B, Hkv, Lk, Dv), key_mask (B, Lk) -> (B, H, Lq, Dv)."""
+    if plan.has_key_mask and key_mask is None:  # another rank has padding: this one's keys are all real
+        key_mask = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device)  # (B, Lk)
+    out = _RingAttention.apply(q, k, v, key_mask, plan)
+    assert isinstance(out, Tensor)
+    return out

@@ -270,8 +270,8 @@ def ulysses_attention(
     if plan.q_ids is not None and plan.kv_ids is not None:
         ids = (gather_tokens(plan.q_ids, qp, group), gather_tokens(plan.kv_ids, kp, group))
         options = options.replace(segment_ids=ids)  # (B, L_q), (B, L_k)
-    if key_mask is not None:
-        keep = gather_tokens(key_mask, kp, group)  # (B, L_k)
+    if plan.has_key_mask:  # some rank has padding (a rank without key_mask has real keys only)
+        keep = gather_tokens(keys_kept(key_mask, k), kp, group)  # (B, L_k)
         options = options.replace(mask=_and_keys(options.mask, keep))
     kv_of = [s.kv for s in shares]
     qh, kh, vh = seq_to_heads(
@@ -284,6 +284,15 @@ def ulysses_attention(
         out = qh.new_zeros(qh.shape[:3] + (v.shape[-1],))  # (B, 0, L_q, Dv)
         out = out + 0 * (qh.sum() + kh.sum() + vh.sum())  # keep the exchanges in the graph (their backward)
     return heads_to_seq(out, [s.heads for s in shares], qp, group)  # (B, H, Lq_r, Dv)
+
+
+def keys_kept(key_mask: Tensor | None, k: Tensor) -> Tensor:
+    """``key_mask`` (B, Lk_r), or all True when None."""
+    return (
+        torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device)
+        if key_mask is None
+        else key_mask
+    )
 
 
 def _and_keys(mask: Callable[..., Tensor] | None, keep: Tensor) -> Any:

@@ -14,6 +14,8 @@ which rank it was. The result, a :class:`Plan`, is what the ring (:mod:`.ring`) 
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -27,7 +29,7 @@ from ..core.checks import check_scale
 from .blocks import KERNELS, Block, choose_kernel, make_block, shares_ids
 from .sharding import LAYOUTS, check_layout, positions_from_lengths, visible_region
 
-__all__ = ["STRATEGIES", "Meta", "Plan", "Shard", "agree", "make_plan"]
+__all__ = ["STRATEGIES", "Meta", "PeerLost", "Plan", "Shard", "agree", "agree_on", "answered", "make_plan"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 STRATEGIES = ("ring", "ulysses", "hybrid")
@@ -251,9 +253,9 @@ def make_plan(
         values = [getattr(row, field) for row in table]
         if field not in _PER_RANK and len(set(values)) > 1:
             shown = [_CHOICES[field][x] for x in values] if field in _CHOICES else values
-            raise ValueError(
-                f"{caller}: every rank must pass the same {_NAMES.get(field, field)}; ranks "
-                f"0..{world - 1} gave {shown}"
+            raise ValueError(  # one message on every rank, whatever each one called
+                f"sequence-parallel attention: every rank must pass the same {_NAMES.get(field, field)}; "
+                f"ranks 0..{world - 1} gave {shown}"
             )
     lq_all, lk_all = [row.lq for row in table], [row.lk for row in table]
     if min(lq_all) == 0 or min(lk_all) == 0:
@@ -302,11 +304,48 @@ def agree(meta: Meta, group: Any, caller: str, *, like: object = None) -> list[M
     world = dist.get_world_size(group)
     mine = torch.tensor(meta, dtype=torch.long, device=_comm_device(group, like))  # (len(Meta),)
     every = [torch.empty_like(mine) for _ in range(world)]
-    try:
+    with answered(caller):
         dist.all_gather(every, mine, group=group)
-    except RuntimeError as exc:
-        raise RuntimeError(
-            f"{caller}: a rank of the group did not take part within the group's timeout -- it died, "
-            f"or it never made this call; every rank must call {caller} together ({exc})"
-        ) from exc
     return [Meta(*row) for row in torch.stack(every).tolist()]
+
+
+def agree_on(group: Any, caller: str, fields: dict[str, int], shown: dict[str, tuple[Any, ...]]) -> None:
+    """Raise the same ``ValueError`` on every rank if the ranks of ``group`` disagree on any of ``fields``.
+
+    ``fields`` are this rank's integer choices; ``shown[name]`` turns an index back into its value for the
+    message. One all-gather of len(fields) integers.
+    """
+    world = dist.get_world_size(group)
+    mine = torch.tensor(list(fields.values()), dtype=torch.long, device=_comm_device(group, None))
+    every = [torch.empty_like(mine) for _ in range(world)]
+    with answered(caller):
+        dist.all_gather(every, mine, group=group)
+    table = torch.stack(every).tolist()  # (P, len(fields)), identical on every rank
+    for j, name in enumerate(fields):
+        values = [row[j] for row in table]
+        if len(set(values)) > 1:
+            got = [shown[name][x] for x in values] if name in shown else values
+            raise ValueError(
+                f"{caller}: every rank must pass the same {name}; ranks 0..{world - 1} gave {got}"
+            )
+
+
+class PeerLost(RuntimeError):
+    """A rank of the group did not answer a collective in time: it died, or it never made the call."""
+
+
+@contextmanager
+def answered(caller: str) -> Iterator[None]:
+    """Turn the error of a collective that a peer never answered into a :class:`PeerLost` that says so.
+
+    torch.distributed raises after the group's timeout (or at once, when the peer's connection closed).
+    """
+    try:
+        yield
+    except PeerLost:
+        raise
+    except RuntimeError as exc:
+        raise PeerLost(
+            f"{caller}: a rank of the group did not answer within the group's timeout -- it died, or it "
+            f"never made this call; every rank of the group must call {caller} together ({exc})"
+        ) from exc

@@ -30,10 +30,10 @@ from torch import Tensor, nn
 from ..heads.naming import attention_modules, check_routed, module_heads
 from ..nn.attention import MultiHeadAttention
 from ..nn.seam import check_positions
-from .agree import STRATEGIES
+from .agree import STRATEGIES, agree_on
 from .hybrid import HybridGroups, choose_ulysses_size
 from .modules import HybridAttention, RingAttention, ShardedAttention, UlyssesAttention
-from .sharding import check_layout, gather_sequence, shard
+from .sharding import LAYOUTS, check_layout, gather_sequence, shard
 
 __all__ = ["ContextParallel", "context_parallel", "current", "shard_batch"]
 
@@ -172,7 +172,13 @@ def context_parallel(
             f"multihead.integrations.transformers)"
         )
     check_routed(model)
-    fn = _strategy_fn(strategy, group, layout, ulysses_size, module_heads(next(iter(found.values()))))
+    heads = module_heads(next(iter(found.values())))
+    choices = {"strategy": STRATEGIES.index(strategy), "layout": LAYOUTS.index(layout)}
+    choices.update(
+        ulysses_size=-1 if ulysses_size is None else int(ulysses_size), heads=heads[0], kv_heads=heads[1]
+    )
+    agree_on(group, "context_parallel", choices, {"strategy": STRATEGIES, "layout": LAYOUTS})
+    fn = _strategy_fn(strategy, group, layout, ulysses_size, heads)
     for m in found.values():
         if isinstance(m, MultiHeadAttention):
             check_positions(m, fn, rotary=m.rotary is not None, cache=False)

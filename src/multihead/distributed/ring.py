@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .agree import Plan, Shard, make_plan
+from .agree import Plan, Shard, answered, make_plan
 from .blocks import (
     Block,
     BlockInputs,
@@ -90,8 +90,9 @@ class _Relay:
         return recv
 
     def wait(self) -> None:
-        for w in self.works:
-            w.wait()
+        with answered("ring_attention"):
+            for w in self.works:
+                w.wait()
         self.works = []
 
 

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from ..core.attention import attention_with
 from ..core.options import AttentionOptions
-from .agree import make_plan
+from .agree import answered, make_plan
 
 __all__ = [
     "HeadShare",
@@ -88,13 +88,15 @@ class _Exchange(torch.autograd.Function):
     def forward(ctx: Any, flat: Tensor, send: list[int], recv: list[int], group: Any) -> Tensor:
         ctx.send, ctx.recv, ctx.group = send, recv, group
         out = flat.new_empty(sum(recv))
-        dist.all_to_all_single(out, flat.contiguous(), recv, send, group=group)
+        with answered("ulysses_attention"):
+            dist.all_to_all_single(out, flat.contiguous(), recv, send, group=group)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         back = grad.new_empty(sum(ctx.send))
-        dist.all_to_all_single(back, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
+        with answered("ulysses_attention (backward)"):
+            dist.all_to_all_single(back, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
         return back, None, None, None
 
 
@@ -180,7 +182,8 @@ def gather_tokens(x: Tensor, positions: Sequence[Tensor], group: Any) -> Tensor:
     longest = max(len(p) for p in positions)
     padded = torch.cat([wire, wire.new_zeros(wire.shape[0], longest - wire.shape[1])], 1).contiguous()
     parts = [torch.empty_like(padded) for _ in positions]
-    dist.all_gather(parts, padded, group=group)
+    with answered("ulysses_attention"):
+        dist.all_gather(parts, padded, group=group)
     flat = torch.cat([p[:, : len(pos)] for p, pos in zip(parts, positions)], 1)  # (B, L) in rank order
     return flat.index_select(1, _order(positions, x.device)).to(dtype)  # (B, L)
 

@@ -31,6 +31,7 @@ while rank P-1 attends to everything; zigzag gives every rank the same amount of
 skip the key blocks (or the query rows) that the causal mask hides entirely.
 """
 
+from .agree import STRATEGIES, PeerLost
 from .context import ContextParallel, context_parallel, shard_batch
 from .hybrid import HybridGroups, hybrid_attention
 from .launch import launch
@@ -48,6 +49,8 @@ from .ulysses import head_split, ulysses_attention
 
 __all__ = [
     "LAYOUTS",
+    "STRATEGIES",
+    "PeerLost",
     "ContextParallel",
     "HybridAttention",
     "HybridGroups",

@@ -43,12 +43,16 @@ from .modules import (
     sharded_attention,
     use_process_group,
 )
+from .planner import PRESETS, Estimate, Machine, plan
 from .ring import ring_attention
 from .sharding import LAYOUTS, causal_work, gather_sequence, shard, unshard
 from .ulysses import head_split, ulysses_attention
 
 __all__ = [
     "LAYOUTS",
+    "PRESETS",
+    "Estimate",
+    "Machine",
     "STRATEGIES",
     "PeerLost",
     "ContextParallel",
@@ -63,6 +67,7 @@ __all__ = [
     "head_split",
     "hybrid_attention",
     "launch",
+    "plan",
     "ring_attention",
     "shard",
     "shard_batch",

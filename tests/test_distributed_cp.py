@@ -21,7 +21,7 @@ from multihead.testing import allowed_error
 def _case(name, **kw):
     spec = dict(strategy="ulysses", b=2, h=4, hkv=2, lq=12, lk=None, dk=8, dv=None, causal=False)
     spec.update(layout="contiguous", valid=None, key_mask=False, segments=False, sinks=False, softcap=None)
-    spec.update(mask_fn=False, bias_fn=False, dtype=torch.float32, seed=sum(map(ord, name)))
+    spec.update(mask_fn=False, bias_fn=False, dtype=torch.float32, pieces=None, seed=sum(map(ord, name)))
     spec.update(kw, name=name)
     return spec
 
@@ -45,6 +45,8 @@ CASES = [
     _case("r-segments", strategy="ring", causal=True, layout="zigzag", segments=True, lq=16),
     _case("r-segments-uneven", strategy="ring", segments=True, key_mask=True, lq=13),
     _case("r-segments-cross", strategy="ring", segments=True, lq=8, lk=12),
+    _case("r-pieces", strategy="ring", causal=True, layout="zigzag", lq=24, pieces=3),
+    _case("r-pieces-uneven-padded", strategy="ring", key_mask=True, segments=True, lq=21, pieces=2),
 ]
 
 
@@ -120,7 +122,7 @@ def _cp_case(c, rank, world):
     if sinks is not None:
         extra["sinks"] = sinks.to(dtype).requires_grad_()
     if c["strategy"] == "ring":
-        out = mhd.ring_attention(*local, layout=layout, **lkw, **extra)
+        out = mhd.ring_attention(*local, layout=layout, kv_pieces=c["pieces"], **lkw, **extra)
     else:
         out = mhd.ulysses_attention(*local, layout=layout, **lkw, **extra)
     (out * cut(gout).to(dtype)).sum().backward()

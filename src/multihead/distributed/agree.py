@@ -63,9 +63,11 @@ class Meta(NamedTuple):
     valid_lens: int  # 0: none, 1: (B,), 2: (B, Lq)
     kernel: int  # index in KERNELS, as requested
     strategy: int  # index in STRATEGIES
+    pieces: int  # K/V shards travel in this many pieces
 
 
-_PER_RANK = ("lq", "lk", "key_mask")  # fields that may differ between ranks (no key_mask: all keys real)
+# fields that may differ between ranks (no key_mask: all keys real; pieces: the smallest count is used)
+_PER_RANK = ("lq", "lk", "key_mask", "pieces")
 _NAMES = {"batch": "B", "heads": "H", "kv_heads": "Hkv", "dk": "Dk", "dv": "Dv", "lq": "Lq", "lk": "Lk"}
 _CHOICES = {"layout": LAYOUTS, "strategy": STRATEGIES, "kernel": KERNELS, "dtype": _DTYPES}
 
@@ -94,6 +96,7 @@ class Plan:
     kv_ids: Tensor | None  # (B, Lk) segment ids of this rank's keys (they travel with the keys)
     kernel: str  # "flash" or "math" (see blocks.choose_kernel)
     compute_dtype: torch.dtype  # the dtype blocks compute and accumulate in
+    pieces: int = 1  # the ring sends each K/V shard in this many pieces, one ring per piece
 
     @property
     def q_pos(self) -> Tensor:
@@ -104,14 +107,25 @@ class Plan:
         """Rank whose key/value shard this rank holds at ``step``."""
         return (self.rank - step) % self.world
 
-    def kv_shape(self, src: int, d: int) -> tuple[int, int, int, int]:
-        """(B, Hkv, m_src, d): the shape of rank ``src``'s keys (d = Dk) or values (d = Dv)."""
-        return (self.batch, self.kv_heads, len(self.k_pos[src]), d)
+    def cols(self, src: int, piece: int) -> slice:
+        """Rank ``src``'s key columns in ``piece`` (of :attr:`pieces`, as even as they go)."""
+        m = len(self.k_pos[src])
+        return slice(piece * m // self.pieces, (piece + 1) * m // self.pieces)
 
-    def block(self, src: int, shard: Shard, device: torch.device) -> Block | None:
-        """Region and masks of this rank's queries x rank ``src``'s keys; None if nothing is visible
-        (the causal mask hides the block, or its keys share no segment id with the queries)."""
-        region = visible_region(self.q_pos, self.k_pos[src], self.causal_offset)
+    def vid(self, src: int, piece: int) -> int:
+        """The virtual shard of ``piece`` of rank ``src``'s keys (what a relay buffer is shaped for)."""
+        return piece * self.world + src
+
+    def kv_shape(self, src: int, d: int, piece: int = 0) -> tuple[int, int, int, int]:
+        """(B, Hkv, m, d): the shape of ``piece`` of rank ``src``'s keys (d = Dk) or values (d = Dv)."""
+        c = self.cols(src, piece)
+        return (self.batch, self.kv_heads, c.stop - c.start, d)
+
+    def block(self, src: int, shard: Shard, device: torch.device, piece: int = 0) -> Block | None:
+        """Region and masks of this rank's queries x ``piece`` of rank ``src``'s keys; None if nothing is
+        visible (the causal mask hides the block, or its keys share no segment id with the queries)."""
+        k_pos = self.k_pos[src][self.cols(src, piece)]  # (m,) global positions of the piece's keys
+        region = visible_region(self.q_pos, k_pos, self.causal_offset)
         if region is None:
             return None
         segments = None
@@ -121,7 +135,7 @@ class Plan:
                 return None
         return make_block(
             region,
-            self.k_pos[src],
+            k_pos,
             valid_lens=self.valid_lens,
             key_mask=shard.key_mask,
             segments=segments,
@@ -149,10 +163,13 @@ def _local_meta(
     segment_ids: Tensor | tuple[Tensor, Tensor] | None,
     block_kernel: str,
     strategy: str,
+    pieces: int,
 ) -> tuple[Meta, tuple[Tensor, Tensor] | None]:
     """This rank's :class:`Meta`; raises what is wrong with its own inputs."""
     check_qkv(q, k, v)
     check_layout(layout)
+    if isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1:
+        raise ValueError(f"kv_pieces must be a positive int (pieces a K/V shard travels in), got {pieces!r}")
     if block_kernel not in KERNELS:
         raise ValueError(f"block_kernel must be one of {KERNELS}, got {block_kernel!r}")
     (b, h, lq, dk), (_, hkv, lk, dv) = q.shape, v.shape
@@ -186,6 +203,7 @@ def _local_meta(
         valid_lens=0 if valid_lens is None else valid_lens.dim(),
         kernel=KERNELS.index(block_kernel),
         strategy=STRATEGIES.index(strategy),
+        pieces=pieces,
     )
     return meta, ids
 
@@ -210,6 +228,7 @@ def make_plan(
     block_kernel: str = "auto",
     strategy: str = "ring",
     positions: tuple[list[Tensor], list[Tensor]] | None = None,
+    pieces: int = 1,
 ) -> Plan:
     """Validate the call on every rank at once; all ranks raise the same kind of error, none hangs.
 
@@ -239,6 +258,7 @@ def make_plan(
             segment_ids=segment_ids,
             block_kernel=block_kernel,
             strategy=strategy,
+            pieces=pieces,
         )
         scale = check_scale(scale, q.shape[-1])
     except (TypeError, ValueError) as exc:
@@ -292,6 +312,7 @@ def make_plan(
         kv_ids=None if ids is None else ids[1],
         kernel=choose_kernel(block_kernel, q.device, compute, mine_meta.dk, mine_meta.dv),
         compute_dtype=compute,
+        pieces=max(1, min(min(row.pieces for row in table), min(lk_all))) if world > 1 else 1,
     )
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from .hybrid import choose_ulysses_size
+from .ring import PIECE_KEYS
 from .ulysses import head_split
 
 __all__ = ["PRESETS", "Estimate", "Machine", "plan"]
@@ -111,7 +112,7 @@ def plan(
     causal: bool = True,
     machine: str | Machine = "h100-nvlink",
     ulysses_size: int | None = None,
-    pieces: int = 1,
+    pieces: int | None = None,
 ) -> dict[str, Estimate]:
     """Predict, for ring, Ulysses and hybrid, memory per rank, bytes sent per rank and time, per layer.
 
@@ -122,7 +123,8 @@ def plan(
         causal: halves the attention FLOPs (zigzag keeps the ranks balanced).
         machine: a :data:`PRESETS` name or a :class:`Machine` with your own rates.
         ulysses_size: U for hybrid (None: the largest size dividing P, H and Hkv).
-        pieces: how many pieces a remote K/V shard is streamed in (the ring's in-flight memory / pieces).
+        pieces: how many pieces a remote K/V shard is streamed in (the ring's in-flight memory / pieces);
+            None: as :func:`~multihead.distributed.ring_attention` chooses (pieces of >= 1024 keys, <= 4).
 
     Returns ``{"ring": Estimate, "ulysses": Estimate, "hybrid": Estimate}``. For ``world=4``, L = 16k,
     H = Hkv = 8, D = 64 in float32, the ring sends 3 K/V shards forward: 3 * 2 * 4096 * 8 * 64 * 4 bytes.
@@ -134,6 +136,8 @@ def plan(
     rates = PRESETS[machine] if isinstance(machine, str) else machine
     hkv = heads if kv_heads is None else kv_heads
     n = seq_len // world
+    if pieces is None:
+        pieces = max(1, min(4, n // PIECE_KEYS))
     b = dtype_bytes
     own = (2 * batch * heads * n * head_dim + 2 * batch * hkv * n * head_dim) * b  # q, out, k, v
     flops_fwd = 4 * batch * heads * seq_len * seq_len * head_dim * (0.5 if causal else 1.0)

@@ -1,6 +1,7 @@
 # Two commands do everything on a fresh machine:
 #   make demo   create .venv, install, run the end-to-end demo
-#   make test   create .venv, install, lint, smoke-test the built wheel, run the test suite
+#   make test   create .venv, install, lint, smoke-test the built wheel, run the test suite, and its
+#               numerics tests again under every other CPU kernel torch may pick here (tests/cpu_kernels.py)
 # and CI (.ci/run) runs one more:
 #   make test-floor   the suite on the OLDEST torch and Keras that pyproject.toml allows, and the newest
 #                     transformers release on the package index (README.md, "Tested versions")
@@ -54,8 +55,11 @@ browser:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
 	  else echo "make browser: no chromium on PATH; install it (apt-get install chromium) for the page tests"; fi; }
 
+# the suite runs under the CPU kernels torch picks here; tests/cpu_kernels.py then reruns the tests marked
+# `numerics` (those that compare with the float64 reference) under every other ATEN_CPU_CAPABILITY the CPU has
 test: lint smoke browser
 	$(PY) -m pytest -q -n 2 --dist worksteal --durations=10
+	$(PY) tests/cpu_kernels.py
 
 # The floor job. Its own venv, .venv-floor: torch and Keras at pyproject's floors (requirements-floor.txt pins
 # them and the rest as requirements-dev.txt does; tests/test_package.py checks the floors agree), plus the

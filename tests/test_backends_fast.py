@@ -23,6 +23,8 @@ from multihead.core.backends._common import FUSED_CPU_TAKES_GROUPS
 from multihead.core.backends.flex import FlexBackend
 from multihead.testing import allowed_error, compare_to_reference
 
+pytestmark = pytest.mark.numerics  # compares with float64: tests/cpu_kernels.py
+
 
 def _qkv(b, h, hkv, lq, lk, d, dtype, seed=0):
     return make_qkv(b, h, hkv, lq, lk, d, d, dtype, seed)

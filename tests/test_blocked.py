@@ -23,6 +23,8 @@ from multihead.core.backends.blocked import PROBE, BlockedBackend, packed_runs
 from multihead.core.masks import Normalized
 from multihead.testing import allowed_error, compare_to_reference
 
+pytestmark = pytest.mark.numerics  # compares with float64: tests/cpu_kernels.py
+
 DEFAULT = BlockedBackend()
 SMALL = BlockedBackend(block_q=16, span_k=32)  # many blocks and spans: the online softmax joins them
 

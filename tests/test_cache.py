@@ -16,7 +16,8 @@ def _mha(heads=4, kv_heads=None, rotary=False, dtype=torch.float32, seed=0, embe
     return mh.MultiHeadAttention(embed, heads, kv_heads=kv_heads, rotary=rotary, dtype=dtype).eval()
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # many tiny ops: see conftest.py
+# many tiny ops: see conftest.py; compares with float64: tests/cpu_kernels.py
+pytestmark = [pytest.mark.numerics, pytest.mark.usefixtures("one_thread")]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import multihead as mh
 from multihead import distributed as mhd
 from multihead.core.backends._common import FUSED_CPU_TAKES_GROUPS
 from multihead.distributed import blocks
-from multihead.testing import allowed_error
+from multihead.testing import allowed_error, merge_floor
 
 # Max abs error vs single-process multihead.attention in the same dtype: the 1e-5 in fp32; in
 # fp64 the merge is exact and only rounding differs. bf16 is held to the 2x rule below alone.
@@ -244,6 +244,7 @@ def _worst(results, key):
 
 
 def _case_failures(per_rank):
+    world = len(per_rank)  # each query merges one partial result per rank's key block
     failures = []
     for c in CASES:
         res = [r["cases"][c["name"]] for r in per_rank]
@@ -252,11 +253,11 @@ def _case_failures(per_rank):
             if tol is not None and _worst(res, key) > tol:
                 failures.append(f"{c['name']}: {key} off by {_worst(res, key):.3g} > {tol}")
         for key in ("out", "dq", "dk", "dv") if dtype != torch.float64 else ():  # fp64 *is* the oracle
-            # The 2x rule: error vs an fp64 oracle at most 2x attention_reference's own in the same dtype.
-            # In fp32 both are a few ulps, and the softmax backward's formula alone (rowsum(dout * out),
-            # as every flash kernel has it) moves the max by ~2x: 2 ulps of the largest value on top.
+            # The 2x rule: error vs an fp64 oracle at most 2x attention_reference's own in the same dtype,
+            # plus the rounding of merging one partial result per rank (testing.merge_floor says why: a
+            # fixed 2 ulps passed on AMD and failed at 4 ranks on an Intel CPU with AVX-512).
             ring, ref = _worst(res, f"{key}_vs64"), _worst(res, f"{key}_ref64")
-            floor = 0.0 if dtype == torch.bfloat16 else 2 * torch.finfo(dtype).eps * _worst(res, f"{key}_mag")
+            floor = merge_floor(dtype, _worst(res, f"{key}_mag"), world)
             bound = allowed_error(ref, dtype, factor=2.0, floor=floor)
             if ring > bound:
                 failures.append(
@@ -274,6 +275,7 @@ def _case_failures(per_rank):
     return failures
 
 
+@pytest.mark.numerics
 def test_two_ranks():
     per_rank = mhd.launch(_job, 2, (CASES, True), timeout=150, start_method="fork")
     failures = _case_failures(per_rank)
@@ -298,6 +300,7 @@ def test_two_ranks():
     assert e0["one-rank-bad"][0] == "RuntimeError" and "rank(s) [1]" in e0["one-rank-bad"][1]
 
 
+@pytest.mark.numerics
 def test_four_ranks():
     failures = _case_failures(mhd.launch(_job, 4, (CASES, False), timeout=150, start_method="fork"))
     assert not failures, "\n".join(failures)

@@ -12,6 +12,8 @@ from multihead.core import backends
 from multihead.core.attention import output_and_weights, prepare
 from multihead.testing import compare_to_reference
 
+pytestmark = pytest.mark.numerics  # compares with float64: tests/cpu_kernels.py
+
 BACKENDS = ["auto", "math", "sdpa"]
 HEADS = {"mha": (8, 8), "gqa": (8, 2), "mqa": (8, 1)}
 # (Lq, Lk, Dk, Dv): length 1, Lq != Lk both ways, head dim 59, Dk != Dv, length 97

@@ -16,7 +16,8 @@ from multihead.core.backends.flex import FlexBackend
 from multihead.core.backends.math import MathBackend
 from multihead.testing import compare_to_reference
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+# one thread: see conftest.py; compares with float64: tests/cpu_kernels.py
+pytestmark = [pytest.mark.numerics, pytest.mark.usefixtures("one_thread")]
 
 B, H, HKV, LQ, LK, D = 2, 4, 2, 5, 7, 6
 

@@ -2,12 +2,15 @@
 
 from functools import partial
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import multihead as mh
 from multihead.testing import compare_to_reference
+
+pytestmark = pytest.mark.numerics  # compares with float64: tests/cpu_kernels.py
 
 
 @st.composite

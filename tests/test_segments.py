@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 import multihead as mh
 from multihead import segments
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+# one thread: see conftest.py; compares with float64: tests/cpu_kernels.py
+pytestmark = [pytest.mark.numerics, pytest.mark.usefixtures("one_thread")]
 
 LENGTHS = [3, 1, 5, 2]
 TOL = {torch.float64: 1e-12, torch.float32: 2e-6}

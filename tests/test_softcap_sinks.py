@@ -21,7 +21,8 @@ from multihead.core.backends.flex import FlexBackend
 from multihead.core.backends.math import MathBackend
 from multihead.testing import compare_to_reference
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+# one thread: see conftest.py; compares with float64: tests/cpu_kernels.py
+pytestmark = [pytest.mark.numerics, pytest.mark.usefixtures("one_thread")]
 
 
 def oracle(q, k, v, allowed, softcap=None, sinks=None):

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 import zipfile
@@ -31,7 +32,10 @@ __all__ = [
     "Rendered",
     "allowed_error",
     "chromium",
+    "CPU_CAPABILITIES",
+    "cpu_capabilities",
     "compare_to_reference",
+    "merge_floor",
     "minilm_dir",
     "render",
 ]
@@ -48,6 +52,28 @@ def allowed_error(
     (default: a per-dtype constant for the cases where the reference happens to be exact).
     """
     return factor * reference_error + (_FLOOR.get(dtype, 1e-6) if floor is None else floor)
+
+
+def merge_floor(dtype: torch.dtype, magnitude: float, parts: int) -> float:
+    """The absolute error floor of a result assembled from ``parts`` partial results, beyond the 2x rule.
+
+    A flash-style computation differs from the reference even in one part: its softmax backward uses
+    ``rowsum(dout * out)``, as every flash kernel does, which moves the max error by about 2 ulps of the
+    largest value. Ring attention then merges the partial outputs of P key blocks (and sums P partial
+    gradients); a tiled online softmax merges one partial result per key tile. Each merge rescales a partial
+    result by ``exp(m_i - m)`` and adds it: two roundings of up to an ulp of ``magnitude`` between them, and
+    ``parts - 1`` merges in all. The reference (one pass, one softmax) has none of them, and which way each
+    ulp rounds depends on the CPU's matmul kernels (``ATEN_CPU_CAPABILITY``: default, avx2, avx512, and MKL's
+    own dispatch on Intel and AMD): a fixed 2 ulps passed at 4 ranks on an AMD CPU and failed on an Intel one.
+    So the floor grows with the parts: 2 ulps for the backward formula plus 2 for each merge,
+    ``2 * eps * magnitude * parts``.
+
+    ``magnitude``: the largest absolute value of the float64 oracle's result. bfloat16 has no floor here:
+    its reference error dwarfs any merge.
+    """
+    if dtype == torch.bfloat16:
+        return 0.0
+    return 2.0 * torch.finfo(dtype).eps * magnitude * max(1, parts)
 
 
 @dataclass
@@ -112,6 +138,36 @@ def compare_to_reference(
         fast_weights=err(fast_w, gold_w),
         reference_weights=err(ref_w, gold_w),
     )
+
+
+# ------------------------------------------------------------------------------------------------
+# The CPU kernels torch may pick
+# ------------------------------------------------------------------------------------------------
+
+CPU_CAPABILITIES = ("default", "avx2", "avx512", "sve256")
+"""Values of ``ATEN_CPU_CAPABILITY``: torch compiles its CPU kernels once per value and picks the best the
+CPU has, unless that variable asks for a lower one (x86: default, avx2, avx512; Arm: default, sve256)."""
+
+
+def cpu_capabilities() -> list[str]:
+    """The values of ``ATEN_CPU_CAPABILITY`` that this CPU runs, lowest first; the last is torch's own pick.
+
+    Each is asked for in a fresh interpreter (torch reads the variable once, at import; the interpreters run
+    at once) and kept when torch reports that it took it: a value the CPU lacks falls back to another, and is
+    left out.
+    """
+    probe = "import torch; print(torch.backends.cpu.get_cpu_capability())"
+    runs = {
+        cap: subprocess.Popen(
+            [sys.executable, "-c", probe],
+            env={**os.environ, "ATEN_CPU_CAPABILITY": cap},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,  # torch warns of a value it does not know on this CPU's architecture
+            text=True,
+        )
+        for cap in CPU_CAPABILITIES
+    }
+    return [cap for cap, run in runs.items() if run.communicate()[0].strip().lower() == cap]
 
 
 # ------------------------------------------------------------------------------------------------

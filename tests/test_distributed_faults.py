@@ -97,3 +97,33 @@ def test_a_dead_rank_makes_the_others_fail_within_the_timeout(tmp_path, strategy
     assert kind == "PeerLost", (kind, message)
     assert f"{strategy}_attention: a rank of the group did not answer within the group's timeout" in message
     assert "it died" in message and elapsed < 5 + 10
+
+
+def test_context_parallel_refuses_bad_calls_by_name():
+    model = mh.MultiHeadAttention(16, 4)
+    with pytest.raises(
+        ValueError, match=r"strategy must be one of \('ring', 'ulysses', 'hybrid'\), got 'tree'"
+    ):
+        with mhd.context_parallel(model, strategy="tree"):
+            pass
+    with pytest.raises(ValueError, match="layout must be one of"):
+        with mhd.context_parallel(model, layout="spiral"):
+            pass
+    with pytest.raises(RuntimeError, match="needs an initialized torch.distributed process group"):
+        with mhd.context_parallel(model):
+            pass
+    assert model.attention_fn is mh.attention  # nothing was installed
+
+
+def _rotary_refused():
+    model = torch.nn.Sequential(mh.MultiHeadAttention(16, 4, rotary=True))
+    try:
+        with mhd.context_parallel(model):
+            return "entered"
+    except ValueError as exc:
+        return str(exc) if model[0].attention_fn is mh.attention else "not restored"
+
+
+def test_context_parallel_refuses_per_call_positions():
+    got = mhd.launch(_rotary_refused, 2, timeout=60, start_method="fork")
+    assert all("cannot use rotary=True" in g for g in got), got

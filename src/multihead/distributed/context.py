@@ -175,7 +175,9 @@ def context_parallel(
     heads = module_heads(next(iter(found.values())))
     choices = {"strategy": STRATEGIES.index(strategy), "layout": LAYOUTS.index(layout)}
     choices.update(
-        ulysses_size=-1 if ulysses_size is None else int(ulysses_size), heads=heads[0], kv_heads=heads[1]
+        ulysses_size=-1 if ulysses_size is None else ulysses_size if isinstance(ulysses_size, int) else -2,
+        heads=heads[0],
+        kv_heads=heads[1],
     )
     agree_on(group, "context_parallel", choices, {"strategy": STRATEGIES, "layout": LAYOUTS})
     fn = _strategy_fn(strategy, group, layout, ulysses_size, heads)

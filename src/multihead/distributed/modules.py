@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask
 
 from ..core import masks as _masks
 from ..core.options import AttentionOptions, OptionsAttention
@@ -153,7 +154,8 @@ def _key_mask_problem(mask: Any, q: Tensor, k: Tensor) -> Iterator[str]:
 
 
 def _is_function(x: Any) -> bool:
-    return callable(x) and not isinstance(x, Tensor) and type(x).__name__ != "BlockMask"
+    """A mask or bias *function* (b, h, q_idx, kv_idx), not a tensor nor a flex BlockMask (per rank)."""
+    return callable(x) and not isinstance(x, (Tensor, BlockMask))
 
 
 @dataclass(frozen=True)

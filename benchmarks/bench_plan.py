@@ -131,6 +131,30 @@ def memory_job(total: int, shape: dict, strategy: str) -> dict:
     return {"peak": mem.peak, "seconds": seconds}
 
 
+def overhead_job(total: int, shape: dict, rounds: int) -> dict:
+    """At 1 rank: forward + backward seconds of each strategy over multihead.attention, per round."""
+    torch.set_num_threads(1)
+    groups = HybridGroups.create(dist.group.WORLD, 1)
+    q = torch.randn(1, shape["heads"], total, shape["head_dim"], requires_grad=True)
+    k, v = (torch.randn(1, shape["kv_heads"], total, shape["head_dim"], requires_grad=True) for _ in range(2))
+    runs = {
+        "attention": lambda: mh.attention(q, k, v, causal=True),
+        "ring": lambda: _call("ring", q, k, v, groups),
+        "ulysses": lambda: _call("ulysses", q, k, v, groups),
+        "hybrid": lambda: _call("hybrid", q, k, v, groups),
+    }
+    ratios: dict[str, list[float]] = {n: [] for n in runs if n != "attention"}
+    for _ in range(rounds):
+        secs = {}
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            run().sum().backward()
+            secs[name] = time.perf_counter() - t0
+        for name in ratios:
+            ratios[name].append(secs[name] / secs["attention"])
+    return {n: sorted(r)[len(r) // 2] for n, r in ratios.items()}
+
+
 def link_job(nbytes: int, rounds: int) -> float:
     """Bytes/s one rank sends to the other with gloo (ping-pong, median)."""
     rank = dist.get_rank()
@@ -278,6 +302,9 @@ def main() -> None:
     link = mhd.launch(link_job, 2, (32 << 20, args.rounds), start_method="fork")[0]
     machine = mhd.Machine(compute=flops, link=link, latency=50e-6)
     res["rates"] = machine._asdict()
+    res["overhead_1_rank"] = mhd.launch(
+        overhead_job, 1, (args.time_len, SHAPE, 2 * args.rounds + 1), start_method="fork"
+    )[0]
     res["time"] = {}
     for world in (2, 4):
         for strategy in ("ring", "ulysses"):
@@ -344,6 +371,14 @@ def _markdown(res: dict) -> str:
         "|---|---|---|",
     ]
     lines += [f"| {c} | {t['measured']:.3f} | {t['planned']:.3f} |" for c, t in res["time"].items()]
+    lines += [
+        "",
+        "## One rank: forward + backward time / multihead.attention (median of per-round ratios; target <= 1.1)",
+        "",
+        "| strategy | ratio |",
+        "|---|---|",
+    ]
+    lines += [f"| {n} | {r:.3f} |" for n, r in res["overhead_1_rank"].items()]
     p = res["published"]
     lines += [
         "",

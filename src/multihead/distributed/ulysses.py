@@ -101,14 +101,17 @@ class _Exchange(torch.autograd.Function):
 
 
 def exchange(
-    pieces: Sequence[Sequence[Tensor]], shapes: Sequence[Sequence[tuple[int, ...]]], group: Any
+    pieces: list[list[Tensor]], shapes: Sequence[Sequence[tuple[int, ...]]], group: Any
 ) -> list[list[Tensor]]:
     """Send ``pieces[s]`` (tensors of one dtype) to rank s; return what each rank r sent here, viewed
-    at ``shapes[r]``. Differentiable: the gradients go back by the reverse exchange."""
-    flat = torch.cat([t.reshape(-1) for dest in pieces for t in dest])  # one message, in rank order
+    at ``shapes[r]``. Differentiable: the gradients go back by the reverse exchange. ``pieces`` is
+    emptied once packed into the message (copies among them are freed before the transfer)."""
     send = [sum(t.numel() for t in dest) for dest in pieces]
+    flat = torch.cat([t.reshape(-1) for dest in pieces for t in dest])  # one message, in rank order
+    pieces.clear()
     recv = [sum(_numel(s) for s in src) for src in shapes]
     got = _Exchange.apply(flat, send, recv, group)
+    del flat  # the send buffer: the transfer is done
     out, at = [], 0
     for src in shapes:
         views = []
@@ -148,7 +151,7 @@ def seq_to_heads(parts: Sequence[Part], group: Any) -> list[Tensor]:
     Returns, for each part, (B, N_r, L, D): this rank's heads of every token, in sequence order.
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    pieces = [[p.x[:, list(p.heads_of[s])] for p in parts] for s in range(world)]  # (B, N_s, L_r, D)
+    pieces = [[_heads(p.x, p.heads_of[s]) for p in parts] for s in range(world)]  # (B, N_s, L_r, D)
     shapes = [
         [(p.x.shape[0], len(p.heads_of[rank]), len(p.positions[r]), p.x.shape[3]) for p in parts]
         for r in range(world)
@@ -156,9 +159,22 @@ def seq_to_heads(parts: Sequence[Part], group: Any) -> list[Tensor]:
     got = exchange(pieces, shapes, group)
     out = []
     for i, p in enumerate(parts):
-        cat = torch.cat([got[r][i] for r in range(world)], dim=2)  # (B, N_r, L, D) in rank order
-        out.append(cat.index_select(2, _order(p.positions, p.x.device)))  # (B, N_r, L, D) in sequence order
+        whole = got[0][i].new_empty(shapes[0][i][:2] + (sum(map(len, p.positions)), p.x.shape[3]))
+        for r in range(world):  # each rank's tokens to their places: (B, N_r, L, D) in sequence order
+            whole.index_copy_(2, p.positions[r].to(whole.device), got[r][i])
+        out.append(whole)
     return out
+
+
+def _heads(x: Tensor, heads: Sequence[int]) -> Tensor:
+    """``x[:, heads]``: a view when the heads are consecutive (no copy before the message is packed)."""
+    heads = list(heads)
+    if not heads:
+        return x[:, :0]
+    first = heads[0]
+    if heads == list(range(first, first + len(heads))):
+        return x[:, first : first + len(heads)]
+    return x[:, heads]
 
 
 def heads_to_seq(out: Tensor, heads: Sequence[int], positions: Sequence[Tensor], group: Any) -> Tensor:
@@ -169,6 +185,7 @@ def heads_to_seq(out: Tensor, heads: Sequence[int], positions: Sequence[Tensor],
     rank = dist.get_rank(group)
     b, _, _, d = out.shape
     pieces = [[out.index_select(2, p.to(out.device))] for p in positions]  # (B, H_r, L_s, D) for rank s
+    del out  # the caller's reference remains; without grad, the pieces are all that is needed
     shapes = [[(b, h, len(positions[rank]), d)] for h in heads]
     got = exchange(pieces, shapes, group)
     return torch.cat([g[0] for g in got], dim=1)  # (B, H, L_r, D)
@@ -283,6 +300,7 @@ def ulysses_attention(
     if mine.heads:
         out = attention_with(qh, kh, vh, options, backend)  # (B, H_r, L_q, Dv)
         assert isinstance(out, Tensor)
+        del qh, kh, vh  # without grad they are free now (with grad, attention saved what it needs)
     else:  # more ranks than heads: this rank attends for none
         out = qh.new_zeros(qh.shape[:3] + (v.shape[-1],))  # (B, 0, L_q, Dv)
         out = out + 0 * (qh.sum() + kh.sum() + vh.sum())  # keep the exchanges in the graph (their backward)

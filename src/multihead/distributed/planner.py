@@ -94,9 +94,11 @@ def _ulysses(
     fwd = qkv_out + out_back
     # backward: the output's gradient to the head owners, then dq, dk, dv back to the token owners
     bwd = sum(s.heads * unit for s in shares[1:]) + (mine.heads + 2 * len(mine.kv)) * (ranks - 1) * unit
-    whole = (mine.heads + 2 * len(mine.kv)) * ranks * unit  # my heads of every token
-    own = (heads + 2 * kv_heads) * unit
-    extra = own + 2 * whole + 2 * mine.heads * ranks * unit  # send/recv buffers, sorted copy, output
+    whole = (mine.heads + 2 * len(mine.kv)) * ranks * unit  # my heads of every token (q, k, v)
+    heads_out = mine.heads * ranks * unit  # my heads' output over every token
+    # the largest of: received + placed q/k/v; placed q/k/v + output heads; output heads, its pieces and
+    # the message (each an exchange's buffers alive at once)
+    extra = max(2 * whole, whole + heads_out, 3 * heads_out)
     return extra, fwd, bwd, mine.heads / heads
 
 

@@ -27,7 +27,7 @@ from ..core import masks as _masks
 from ..core.attention import check_qkv
 from ..core.checks import check_scale
 from .blocks import KERNELS, Block, choose_kernel, make_block, shares_ids
-from .sharding import LAYOUTS, check_layout, positions_from_lengths, visible_region
+from .sharding import LAYOUTS, check_layout, positions_from_lengths, split_region, visible_region
 
 __all__ = ["STRATEGIES", "Meta", "PeerLost", "Plan", "Shard", "agree", "agree_on", "answered", "make_plan"]
 
@@ -121,26 +121,31 @@ class Plan:
         c = self.cols(src, piece)
         return (self.batch, self.kv_heads, c.stop - c.start, d)
 
-    def block(self, src: int, shard: Shard, device: torch.device, piece: int = 0) -> Block | None:
-        """Region and masks of this rank's queries x ``piece`` of rank ``src``'s keys; None if nothing is
-        visible (the causal mask hides the block, or its keys share no segment id with the queries)."""
+    def blocks(self, src: int, shard: Shard, device: torch.device, piece: int = 0) -> list[Block]:
+        """The blocks of this rank's queries x ``piece`` of rank ``src``'s keys that something sees: none
+        when the causal mask hides them all or the keys share no segment id with the queries; a causal
+        staircase comes as its own small block (a triangle where it is one) and the rows that see every
+        key as a plain rectangle, so no (rows, keys) mask is built for them."""
         k_pos = self.k_pos[src][self.cols(src, piece)]  # (m,) global positions of the piece's keys
         region = visible_region(self.q_pos, k_pos, self.causal_offset)
         if region is None:
-            return None
+            return []
         segments = None
         if self.q_ids is not None and shard.kv_ids is not None:
             segments = (self.q_ids, shard.kv_ids)
             if not shares_ids(self.q_ids[:, region.rows], shard.kv_ids[:, region.cols]):
-                return None
-        return make_block(
-            region,
-            k_pos,
-            valid_lens=self.valid_lens,
-            key_mask=shard.key_mask,
-            segments=segments,
-            device=device,
-        )
+                return []
+        return [
+            make_block(
+                part,
+                k_pos,
+                valid_lens=self.valid_lens,
+                key_mask=shard.key_mask,
+                segments=segments,
+                device=device,
+            )
+            for part in split_region(region)
+        ]
 
 
 def _comm_device(group: Any, like: object) -> torch.device:

@@ -156,8 +156,7 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None, plan
             shard = _unpack(msg, plan)
             last = step == plan.world - 1
             nxt = None if last else relay.start(msg, step % 2, plan.vid(plan.src(step + 1), piece))
-            blk = plan.block(src, shard, q.device, piece)
-            if blk is not None:
+            for blk in plan.blocks(src, shard, q.device, piece):
                 part = block_forward(
                     BlockInputs(qa, prepare(shard.k, dtype), prepare(shard.v, dtype)),
                     blk,
@@ -248,28 +247,24 @@ def _backward_piece(
         shard = _unpack(msg, plan)
         nxt_vid = plan.vid(plan.src(step + 1), piece)
         nxt = kv_relay.start(msg, step % 2, nxt_vid) if step < plan.world - 1 else None
-        blk = plan.block(src, shard, qa.device, piece)
-        grads = None
-        if blk is not None:
+        shares = []  # (block, its share of the gradients)
+        for blk in plan.blocks(src, shard, qa.device, piece):
             x = BlockInputs(qa, prepare(shard.k, dtype), prepare(shard.v, dtype))
             grads = block_backward(x, da, final, blk, plan.scale, plan.kernel)
             dq = _add_rows(dq, grads.dq, blk.rows, tuple(qa.shape), dtype)
+            shares.append((blk, grads))
         grad_relay.wait()  # the accumulator for shard `src` has arrived (and our last one has left)
         if step == 0:
-            if (
-                plan.world == 1
-                and grads is not None
-                and blk is not None
-                and blk.cols.stop == shard.k.shape[2]
-            ):
-                acc = [grads.dk, grads.dv]  # the whole answer, no copy
+            whole = len(shares) == 1 and shares[0][0].cols.stop == shard.k.shape[2]
+            if plan.world == 1 and whole:
+                acc = [shares[0][1].dk, shares[0][1].dv]  # the whole answer, no copy
             else:
                 acc = [t.zero_() for t in grad_relay.views(0, plan.vid(src, piece))]
-                _add_cols(acc, grads, blk)
+                _add_cols(acc, shares)
         else:
             assert incoming is not None
             acc = incoming
-            _add_cols(acc, grads, blk)
+            _add_cols(acc, shares)
         if plan.world > 1:  # pass it on; after P hops it is back home, complete
             incoming = grad_relay.start(acc, (step + 1) % 2, nxt_vid)
         kv_relay.wait()
@@ -294,12 +289,11 @@ def _add_rows(
     return dq
 
 
-def _add_cols(acc: list[Tensor], grads: Grads | None, blk: Block | None) -> None:
-    """Add a block's dk, dv (B, Hkv, m, D*) into the shard's accumulators at its columns."""
-    if grads is None or blk is None:
-        return
-    acc[0][:, :, blk.cols] += grads.dk  # (B, Hkv, m, Dk)
-    acc[1][:, :, blk.cols] += grads.dv  # (B, Hkv, m, Dv)
+def _add_cols(acc: list[Tensor], shares: list[tuple[Block, Grads]]) -> None:
+    """Add each block's dk, dv (B, Hkv, m, D*) into the shard's accumulators at its columns."""
+    for blk, grads in shares:
+        acc[0][:, :, blk.cols] += grads.dk  # (B, Hkv, m, Dk)
+        acc[1][:, :, blk.cols] += grads.dv  # (B, Hkv, m, Dv)
 
 
 class _RingAttention(torch.autograd.Function):

@@ -32,6 +32,7 @@ __all__ = [
     "layout_positions",
     "positions_from_lengths",
     "shard",
+    "split_region",
     "unshard",
     "visible_region",
 ]
@@ -163,6 +164,28 @@ def visible_region(q_pos: Tensor, k_pos: Tensor, causal_offset: int | None) -> R
     if i0 == 0 and j1 == lq and torch.equal(seen, torch.arange(1, lq + 1)):
         return Region(rows, cols, None, True)  # the plain triangle
     return Region(rows, cols, seen[i0:], False)  # a staircase
+
+
+def split_region(region: Region) -> list[Region]:
+    """A staircase region as its staircase rows (a triangle where they form one) and the rows below them
+    that see every visible key (a rectangle): the parts a kernel runs without a (rows, keys) mask.
+
+    Rows that see all of ``region.cols`` form a suffix (``seen`` is non-decreasing). Other regions are
+    returned as they are.
+    """
+    if region.seen is None:
+        return [region]
+    seen, full, start = region.seen, region.cols.stop, region.rows.start
+    k = int(torch.searchsorted(seen, full))  # rows [start, start + k) see only part of the keys
+    parts = []
+    if k:
+        stair = seen[:k]
+        j1 = int(stair[-1])
+        triangle = k == j1 and torch.equal(stair, torch.arange(1, k + 1))
+        parts.append(Region(slice(start, start + k), slice(0, j1), None if triangle else stair, triangle))
+    if k < len(seen):
+        parts.append(Region(slice(start + k, region.rows.stop), slice(0, full), None, False))
+    return parts
 
 
 def causal_work(total: int, world: int, layout: str = "contiguous") -> list[int]:

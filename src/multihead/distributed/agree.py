@@ -144,7 +144,9 @@ class Plan:
                 segments=segments,
                 device=device,
             )
-            for part in split_region(region)
+            for part in split_region(
+                region, max(1, len(k_pos) // 2) if self.pieces > 1 else None
+            )  # row tiles
         ]
 
 

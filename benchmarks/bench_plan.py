@@ -249,6 +249,11 @@ def _cpu_model() -> str:
 
 
 def main() -> None:
+    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:  # read by glibc at start: run again with it set
+        # every block >= 64 KiB goes straight back to the kernel, so the resident set follows the live
+        # tensors (the forked ranks inherit it) and its peak is the rank's peak
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+        os.execv(sys.executable, [sys.executable, *sys.argv])
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -14,6 +14,8 @@ which rank it was. The result, a :class:`Plan`, is what the ring (:mod:`.ring`) 
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -25,9 +27,9 @@ from ..core import masks as _masks
 from ..core.attention import check_qkv
 from ..core.checks import check_scale
 from .blocks import KERNELS, Block, choose_kernel, make_block, shares_ids
-from .sharding import LAYOUTS, check_layout, positions_from_lengths, visible_region
+from .sharding import LAYOUTS, check_layout, positions_from_lengths, split_region, visible_region
 
-__all__ = ["STRATEGIES", "Meta", "Plan", "Shard", "agree", "make_plan"]
+__all__ = ["STRATEGIES", "Meta", "PeerLost", "Plan", "Shard", "agree", "agree_on", "answered", "make_plan"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 STRATEGIES = ("ring", "ulysses", "hybrid")
@@ -61,9 +63,11 @@ class Meta(NamedTuple):
     valid_lens: int  # 0: none, 1: (B,), 2: (B, Lq)
     kernel: int  # index in KERNELS, as requested
     strategy: int  # index in STRATEGIES
+    pieces: int  # K/V shards travel in this many pieces
 
 
-_PER_RANK = ("lq", "lk")  # fields that may differ between ranks
+# fields that may differ between ranks (no key_mask: all keys real; pieces: the smallest count is used)
+_PER_RANK = ("lq", "lk", "key_mask", "pieces")
 _NAMES = {"batch": "B", "heads": "H", "kv_heads": "Hkv", "dk": "Dk", "dv": "Dv", "lq": "Lq", "lk": "Lk"}
 _CHOICES = {"layout": LAYOUTS, "strategy": STRATEGIES, "kernel": KERNELS, "dtype": _DTYPES}
 
@@ -92,6 +96,7 @@ class Plan:
     kv_ids: Tensor | None  # (B, Lk) segment ids of this rank's keys (they travel with the keys)
     kernel: str  # "flash" or "math" (see blocks.choose_kernel)
     compute_dtype: torch.dtype  # the dtype blocks compute and accumulate in
+    pieces: int = 1  # the ring sends each K/V shard in this many pieces, one ring per piece
 
     @property
     def q_pos(self) -> Tensor:
@@ -102,29 +107,47 @@ class Plan:
         """Rank whose key/value shard this rank holds at ``step``."""
         return (self.rank - step) % self.world
 
-    def kv_shape(self, src: int, d: int) -> tuple[int, int, int, int]:
-        """(B, Hkv, m_src, d): the shape of rank ``src``'s keys (d = Dk) or values (d = Dv)."""
-        return (self.batch, self.kv_heads, len(self.k_pos[src]), d)
+    def cols(self, src: int, piece: int) -> slice:
+        """Rank ``src``'s key columns in ``piece`` (of :attr:`pieces`, as even as they go)."""
+        m = len(self.k_pos[src])
+        return slice(piece * m // self.pieces, (piece + 1) * m // self.pieces)
 
-    def block(self, src: int, shard: Shard, device: torch.device) -> Block | None:
-        """Region and masks of this rank's queries x rank ``src``'s keys; None if nothing is visible
-        (the causal mask hides the block, or its keys share no segment id with the queries)."""
-        region = visible_region(self.q_pos, self.k_pos[src], self.causal_offset)
+    def vid(self, src: int, piece: int) -> int:
+        """The virtual shard of ``piece`` of rank ``src``'s keys (what a relay buffer is shaped for)."""
+        return piece * self.world + src
+
+    def kv_shape(self, src: int, d: int, piece: int = 0) -> tuple[int, int, int, int]:
+        """(B, Hkv, m, d): the shape of ``piece`` of rank ``src``'s keys (d = Dk) or values (d = Dv)."""
+        c = self.cols(src, piece)
+        return (self.batch, self.kv_heads, c.stop - c.start, d)
+
+    def blocks(self, src: int, shard: Shard, device: torch.device, piece: int = 0) -> list[Block]:
+        """The blocks of this rank's queries x ``piece`` of rank ``src``'s keys that something sees: none
+        when the causal mask hides them all or the keys share no segment id with the queries; a causal
+        staircase comes as its own small block (a triangle where it is one) and the rows that see every
+        key as a plain rectangle, so no (rows, keys) mask is built for them."""
+        k_pos = self.k_pos[src][self.cols(src, piece)]  # (m,) global positions of the piece's keys
+        region = visible_region(self.q_pos, k_pos, self.causal_offset)
         if region is None:
-            return None
+            return []
         segments = None
         if self.q_ids is not None and shard.kv_ids is not None:
             segments = (self.q_ids, shard.kv_ids)
             if not shares_ids(self.q_ids[:, region.rows], shard.kv_ids[:, region.cols]):
-                return None
-        return make_block(
-            region,
-            self.k_pos[src],
-            valid_lens=self.valid_lens,
-            key_mask=shard.key_mask,
-            segments=segments,
-            device=device,
-        )
+                return []
+        return [
+            make_block(
+                part,
+                k_pos,
+                valid_lens=self.valid_lens,
+                key_mask=shard.key_mask,
+                segments=segments,
+                device=device,
+            )
+            for part in split_region(
+                region, max(1, len(k_pos) // 2) if self.pieces > 1 else None
+            )  # row tiles
+        ]
 
 
 def _comm_device(group: Any, like: object) -> torch.device:
@@ -147,10 +170,13 @@ def _local_meta(
     segment_ids: Tensor | tuple[Tensor, Tensor] | None,
     block_kernel: str,
     strategy: str,
+    pieces: int,
 ) -> tuple[Meta, tuple[Tensor, Tensor] | None]:
     """This rank's :class:`Meta`; raises what is wrong with its own inputs."""
     check_qkv(q, k, v)
     check_layout(layout)
+    if isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1:
+        raise ValueError(f"kv_pieces must be a positive int (pieces a K/V shard travels in), got {pieces!r}")
     if block_kernel not in KERNELS:
         raise ValueError(f"block_kernel must be one of {KERNELS}, got {block_kernel!r}")
     (b, h, lq, dk), (_, hkv, lk, dv) = q.shape, v.shape
@@ -184,6 +210,7 @@ def _local_meta(
         valid_lens=0 if valid_lens is None else valid_lens.dim(),
         kernel=KERNELS.index(block_kernel),
         strategy=STRATEGIES.index(strategy),
+        pieces=pieces,
     )
     return meta, ids
 
@@ -208,6 +235,7 @@ def make_plan(
     block_kernel: str = "auto",
     strategy: str = "ring",
     positions: tuple[list[Tensor], list[Tensor]] | None = None,
+    pieces: int = 1,
 ) -> Plan:
     """Validate the call on every rank at once; all ranks raise the same kind of error, none hangs.
 
@@ -237,6 +265,7 @@ def make_plan(
             segment_ids=segment_ids,
             block_kernel=block_kernel,
             strategy=strategy,
+            pieces=pieces,
         )
         scale = check_scale(scale, q.shape[-1])
     except (TypeError, ValueError) as exc:
@@ -251,9 +280,9 @@ def make_plan(
         values = [getattr(row, field) for row in table]
         if field not in _PER_RANK and len(set(values)) > 1:
             shown = [_CHOICES[field][x] for x in values] if field in _CHOICES else values
-            raise ValueError(
-                f"{caller}: every rank must pass the same {_NAMES.get(field, field)}; ranks "
-                f"0..{world - 1} gave {shown}"
+            raise ValueError(  # one message on every rank, whatever each one called
+                f"sequence-parallel attention: every rank must pass the same {_NAMES.get(field, field)}; "
+                f"ranks 0..{world - 1} gave {shown}"
             )
     lq_all, lk_all = [row.lq for row in table], [row.lk for row in table]
     if min(lq_all) == 0 or min(lk_all) == 0:
@@ -285,11 +314,12 @@ def make_plan(
         causal_offset=(sum(map(len, k_pos)) - sum(map(len, q_pos_all))) if causal else None,
         scale=scale,
         valid_lens=valid_lens,
-        has_key_mask=key_mask is not None,
+        has_key_mask=any(row.key_mask for row in table),
         q_ids=None if ids is None else ids[0],
         kv_ids=None if ids is None else ids[1],
         kernel=choose_kernel(block_kernel, q.device, compute, mine_meta.dk, mine_meta.dv),
         compute_dtype=compute,
+        pieces=max(1, min(min(row.pieces for row in table), min(lk_all))) if world > 1 else 1,
     )
 
 
@@ -302,11 +332,48 @@ def agree(meta: Meta, group: Any, caller: str, *, like: object = None) -> list[M
     world = dist.get_world_size(group)
     mine = torch.tensor(meta, dtype=torch.long, device=_comm_device(group, like))  # (len(Meta),)
     every = [torch.empty_like(mine) for _ in range(world)]
-    try:
+    with answered(caller):
         dist.all_gather(every, mine, group=group)
-    except RuntimeError as exc:
-        raise RuntimeError(
-            f"{caller}: a rank of the group did not take part within the group's timeout -- it died, "
-            f"or it never made this call; every rank must call {caller} together ({exc})"
-        ) from exc
     return [Meta(*row) for row in torch.stack(every).tolist()]
+
+
+def agree_on(group: Any, caller: str, fields: dict[str, int], shown: dict[str, tuple[Any, ...]]) -> None:
+    """Raise the same ``ValueError`` on every rank if the ranks of ``group`` disagree on any of ``fields``.
+
+    ``fields`` are this rank's integer choices; ``shown[name]`` turns an index back into its value for the
+    message. One all-gather of len(fields) integers.
+    """
+    world = dist.get_world_size(group)
+    mine = torch.tensor(list(fields.values()), dtype=torch.long, device=_comm_device(group, None))
+    every = [torch.empty_like(mine) for _ in range(world)]
+    with answered(caller):
+        dist.all_gather(every, mine, group=group)
+    table = torch.stack(every).tolist()  # (P, len(fields)), identical on every rank
+    for j, name in enumerate(fields):
+        values = [row[j] for row in table]
+        if len(set(values)) > 1:
+            got = [shown[name][x] for x in values] if name in shown else values
+            raise ValueError(
+                f"{caller}: every rank must pass the same {name}; ranks 0..{world - 1} gave {got}"
+            )
+
+
+class PeerLost(RuntimeError):
+    """A rank of the group did not answer a collective in time: it died, or it never made the call."""
+
+
+@contextmanager
+def answered(caller: str) -> Iterator[None]:
+    """Turn the error of a collective that a peer never answered into a :class:`PeerLost` that says so.
+
+    torch.distributed raises after the group's timeout (or at once, when the peer's connection closed).
+    """
+    try:
+        yield
+    except PeerLost:
+        raise
+    except RuntimeError as exc:
+        raise PeerLost(
+            f"{caller}: a rank of the group did not answer within the group's timeout -- it died, or it "
+            f"never made this call; every rank of the group must call {caller} together ({exc})"
+        ) from exc

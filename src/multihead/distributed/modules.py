@@ -20,16 +20,19 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask
 
 from ..core import masks as _masks
 from ..core.options import AttentionOptions, OptionsAttention
 from ..nn.attention import MultiHeadAttention
 from ..nn.seam import check_positions
+from .hybrid import HybridGroups, hybrid_attention
 from .ring import ring_attention
 from .sharding import check_layout
 from .ulysses import ulysses_attention
 
 __all__ = [
+    "HybridAttention",
     "RingAttention",
     "ShardedAttention",
     "UlyssesAttention",
@@ -64,13 +67,14 @@ class ShardedAttention(OptionsAttention):
     """What every sequence-parallel attention function holds: q, k, v are this rank's shards.
 
     ``group`` the process group; ``layout`` how sequences are cut (:data:`~multihead.distributed.LAYOUTS`);
-    ``local`` the module's attention function before this one was installed (restored on the way out).
+    ``local`` the module's attention function before :func:`use_process_group` installed this one (it
+    restores it; :func:`~multihead.distributed.context_parallel` keeps its own record).
     Subclasses refuse, besides their own limits, what needs the whole (Lq, Lk) score matrix on one rank.
     """
 
     group: Any
     layout: str
-    local: Callable[..., Any]
+    local: Callable[..., Any] | None = None
     sharded: ClassVar[bool] = True  # read by multihead.nn.seam: positions (rotary, KV cache) are per rank
 
     def why_not(self, q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions) -> Iterator[str]:
@@ -115,6 +119,33 @@ class RingAttention(ShardedAttention):
         )
 
 
+@dataclass(frozen=True)
+class HybridAttention(RingAttention):
+    """Hybrid (USP) attention as an ``attention_fn``: Ulysses within ``groups.ulysses_size`` ranks, the ring
+    across (:func:`~multihead.distributed.hybrid.hybrid_attention`); serves what :class:`RingAttention`
+    serves. ``groups`` are made once (:meth:`~multihead.distributed.hybrid.HybridGroups.create`)."""
+
+    name: ClassVar[str] = "hybrid (ulysses x ring) attention over a process group"
+    groups: HybridGroups | None = None
+
+    def serve(self, q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions, backend: str) -> Tensor:
+        del backend
+        if self.groups is None:
+            raise ValueError("HybridAttention needs groups=HybridGroups.create(group, ulysses_size)")
+        return hybrid_attention(
+            q,
+            k,
+            v,
+            groups=self.groups,
+            causal=options.causal,
+            layout=self.layout,
+            valid_lens=options.valid_lens,
+            key_mask=key_mask_of(options.mask, q, k),
+            segment_ids=options.segment_ids,
+            scale=options.scale,
+        )
+
+
 def _key_mask_problem(mask: Any, q: Tensor, k: Tensor) -> Iterator[str]:
     try:
         key_mask_of(mask, q, k)
@@ -123,7 +154,8 @@ def _key_mask_problem(mask: Any, q: Tensor, k: Tensor) -> Iterator[str]:
 
 
 def _is_function(x: Any) -> bool:
-    return callable(x) and not isinstance(x, Tensor) and type(x).__name__ != "BlockMask"
+    """A mask or bias *function* (b, h, q_idx, kv_idx), not a tensor nor a flex BlockMask (per rank)."""
+    return callable(x) and not isinstance(x, (Tensor, BlockMask))
 
 
 @dataclass(frozen=True)

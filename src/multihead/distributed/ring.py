@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .agree import Plan, Shard, make_plan
+from .agree import Plan, Shard, answered, make_plan
 from .blocks import (
     Block,
     BlockInputs,
@@ -38,7 +38,7 @@ from .blocks import (
     prepare,
 )
 
-__all__ = ["ring_attention"]
+__all__ = ["ring_attention", "ring_with_plan"]
 
 # P2P tags: K, V, the key mask, dK and dV may all be in flight between the same two ranks at once
 _TAG_K, _TAG_V, _TAG_MASK, _TAG_DK, _TAG_DV, _TAG_IDS = 1, 2, 3, 4, 5, 6
@@ -52,8 +52,9 @@ _TAG_K, _TAG_V, _TAG_MASK, _TAG_DK, _TAG_DV, _TAG_IDS = 1, 2, 3, 4, 5, 6
 class _Relay:
     """Sends a set of per-shard tensors on around the ring, receiving into two alternating buffers.
 
-    ``shapes(src)`` gives the shapes of rank ``src``'s tensors; every buffer is flat storage as large as
-    the largest shard's, viewed at the shape of the shard it holds (contiguous, as P2P needs).
+    ``shapes(vid)`` gives the shapes of piece ``vid // P`` of rank ``vid % P``'s tensors (see
+    :meth:`~.agree.Plan.vid`); every buffer is flat storage as large as the largest piece's, viewed at the
+    shape of the piece it holds (contiguous, as P2P needs).
     """
 
     def __init__(
@@ -65,14 +66,14 @@ class _Relay:
         device: torch.device,
     ) -> None:
         self.plan, self.shapes, self.dtypes, self.tags = plan, shapes, dtypes, tags
-        sizes = [[_numel(s) for s in shapes(src)] for src in range(plan.world)]
+        sizes = [[_numel(s) for s in shapes(vid)] for vid in range(plan.world * plan.pieces)]
         self.numel = [max(col) for col in zip(*sizes)]
         self.device = device
         self.buffers: list[list[Tensor]] = []  # up to two sets, made when first needed
         self.works: list[Any] = []
 
     def views(self, slot: int, src: int) -> list[Tensor]:
-        """Buffer set ``slot`` viewed as rank ``src``'s tensors."""
+        """Buffer set ``slot`` viewed as the tensors of virtual shard ``src`` (a piece of a rank's shard)."""
         while len(self.buffers) <= slot:
             self.buffers.append(
                 [torch.empty(n, dtype=d, device=self.device) for n, d in zip(self.numel, self.dtypes)]
@@ -90,8 +91,9 @@ class _Relay:
         return recv
 
     def wait(self) -> None:
-        for w in self.works:
-            w.wait()
+        with answered("ring_attention"):
+            for w in self.works:
+                w.wait()
         self.works = []
 
 
@@ -102,23 +104,32 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _kv_relay(plan: Plan, k: Tensor, v: Tensor, key_mask: Tensor | None) -> tuple[_Relay, list[Tensor]]:
-    """The relay of K, V (the key mask as uint8, the keys' segment ids) and this rank's own messages."""
+def _kv_relay(plan: Plan, k: Tensor, v: Tensor) -> _Relay:
+    """The relay of K, V (the key mask as uint8, the keys' segment ids), piece by piece."""
 
-    def shapes(src: int) -> list[tuple[int, ...]]:
-        m = len(plan.k_pos[src])
-        own = [plan.kv_shape(src, plan.dk), plan.kv_shape(src, plan.dv)]
+    def shapes(vid: int) -> list[tuple[int, ...]]:
+        src, piece = vid % plan.world, vid // plan.world
+        m = len(plan.k_pos[src][plan.cols(src, piece)])
+        own = [plan.kv_shape(src, plan.dk, piece), plan.kv_shape(src, plan.dv, piece)]
         return own + [(plan.batch, m)] * (plan.has_key_mask + (plan.kv_ids is not None))
 
     dtypes = (k.dtype, v.dtype) + ((torch.uint8,) if plan.has_key_mask else ())
     tags = (_TAG_K, _TAG_V) + ((_TAG_MASK,) if plan.has_key_mask else ())
-    mine = [k.contiguous(), v.contiguous()]
-    if key_mask is not None:
-        mine.append(key_mask.contiguous().view(torch.uint8))  # (B, Lk): gloo sends no bool
     if plan.kv_ids is not None:
         dtypes, tags = dtypes + (torch.int64,), tags + (_TAG_IDS,)
-        mine.append(plan.kv_ids.contiguous())  # (B, Lk)
-    return _Relay(plan, shapes, dtypes, tags, k.device), mine
+    return _Relay(plan, shapes, dtypes, tags, k.device)
+
+
+def _own(plan: Plan, k: Tensor, v: Tensor, key_mask: Tensor | None, piece: int) -> list[Tensor]:
+    """This rank's messages for ``piece``: its columns of K, V, the key mask (uint8) and the key ids."""
+    cols = plan.cols(plan.rank, piece)
+    whole = plan.pieces == 1
+    mine = [k if whole else k[:, :, cols], v if whole else v[:, :, cols]]  # (B, Hkv, m, D*)
+    if key_mask is not None:
+        mine.append(key_mask[:, cols].view(torch.uint8))  # (B, m): gloo sends no bool
+    if plan.kv_ids is not None:
+        mine.append(plan.kv_ids[:, cols])  # (B, m)
+    return [t.contiguous() for t in mine]
 
 
 def _unpack(msg: list[Tensor], plan: Plan) -> Shard:
@@ -136,24 +147,26 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None, plan
     """Output (B, H, Lq, Dv) and log-sum-exp (B, H, Lq) over every rank's keys, in the compute dtype."""
     dtype = plan.compute_dtype
     qa = prepare(q, dtype)  # (B, H, Lq, Dk)
-    relay, msg = _kv_relay(plan, k, v, key_mask)
+    relay = _kv_relay(plan, k, v)
     state: SoftmaxState | None = None
-    for step in range(plan.world):
-        src = plan.src(step)
-        shard = _unpack(msg, plan)
-        nxt = relay.start(msg, step % 2, plan.src(step + 1)) if step < plan.world - 1 else None
-        blk = plan.block(src, shard, q.device)
-        if blk is not None:
-            part = block_forward(
-                BlockInputs(qa, prepare(shard.k, dtype), prepare(shard.v, dtype)),
-                blk,
-                plan.scale,
-                plan.kernel,
-            )
-            state = _absorb(state, part, blk, q, v.shape[-1], dtype)
-        relay.wait()
-        if nxt is not None:
-            msg = nxt
+    for piece in range(plan.pieces):  # one ring per piece: only pieces are ever in flight
+        msg = _own(plan, k, v, key_mask, piece)
+        for step in range(plan.world):
+            src = plan.src(step)
+            shard = _unpack(msg, plan)
+            last = step == plan.world - 1
+            nxt = None if last else relay.start(msg, step % 2, plan.vid(plan.src(step + 1), piece))
+            for blk in plan.blocks(src, shard, q.device, piece):
+                part = block_forward(
+                    BlockInputs(qa, prepare(shard.k, dtype), prepare(shard.v, dtype)),
+                    blk,
+                    plan.scale,
+                    plan.kernel,
+                )
+                state = _absorb(state, part, blk, q, v.shape[-1], dtype)
+            relay.wait()
+            if nxt is not None:
+                msg = nxt
     if state is None:  # no query of this rank sees any key
         state = _absorb(None, None, None, q, v.shape[-1], dtype)
     return state
@@ -189,55 +202,78 @@ def _ring_backward(
     dtype = plan.compute_dtype
     qa, da = prepare(q, dtype), dout.to(dtype).contiguous()  # (B, H, Lq, Dk), (B, H, Lq, Dv)
     final = SoftmaxState(final.out, final.lse.masked_fill(torch.isneginf(final.lse), 0.0))  # dead rows: p = 0
-    kv_relay, msg = _kv_relay(plan, k, v, key_mask)
+    kv_relay = _kv_relay(plan, k, v)
     grad_relay = _Relay(
         plan,
-        lambda src: [plan.kv_shape(src, plan.dk), plan.kv_shape(src, plan.dv)],
+        lambda vid: [
+            plan.kv_shape(vid % plan.world, plan.dk, vid // plan.world),
+            plan.kv_shape(vid % plan.world, plan.dv, vid // plan.world),
+        ],
         (dtype, dtype),
         (_TAG_DK, _TAG_DV),
         k.device,
     )
     dq: Tensor | None = None
-    acc: list[Tensor] | None = None  # dK, dV of the shard held at this step, with earlier ranks' shares
-    incoming: list[Tensor] | None = None  # the next shard's accumulator, arriving from r - 1
+    homes = []
+    for piece in range(plan.pieces):  # one ring per piece, as in the forward
+        dq, home = _backward_piece(qa, da, k, v, key_mask, final, plan, kv_relay, grad_relay, dq, piece)
+        homes.append(home if plan.pieces == 1 else [t.clone() for t in home])  # buffers are reused
+    dk, dv = (torch.cat(parts, dim=2) for parts in zip(*homes)) if plan.pieces > 1 else homes[0]
+    if dq is None:  # no query of this rank sees any key
+        dq = torch.zeros_like(qa)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _backward_piece(
+    qa: Tensor,
+    da: Tensor,
+    k: Tensor,
+    v: Tensor,
+    key_mask: Tensor | None,
+    final: SoftmaxState,
+    plan: Plan,
+    kv_relay: _Relay,
+    grad_relay: _Relay,
+    dq: Tensor | None,
+    piece: int,
+) -> tuple[Tensor | None, list[Tensor]]:
+    """One piece's ring of the backward: dq so far, and this rank's own piece's dK, dV (complete)."""
+    dtype = plan.compute_dtype
+    msg = _own(plan, k, v, key_mask, piece)
+    acc: list[Tensor] | None = None  # dK, dV of the piece held at this step, with earlier ranks' shares
+    incoming: list[Tensor] | None = None  # the next piece's accumulator, arriving from r - 1
     for step in range(plan.world):
         src = plan.src(step)
         shard = _unpack(msg, plan)
-        nxt = kv_relay.start(msg, step % 2, plan.src(step + 1)) if step < plan.world - 1 else None
-        blk = plan.block(src, shard, q.device)
-        grads = None
-        if blk is not None:
+        nxt_vid = plan.vid(plan.src(step + 1), piece)
+        nxt = kv_relay.start(msg, step % 2, nxt_vid) if step < plan.world - 1 else None
+        shares = []  # (block, its share of the gradients)
+        for blk in plan.blocks(src, shard, qa.device, piece):
             x = BlockInputs(qa, prepare(shard.k, dtype), prepare(shard.v, dtype))
             grads = block_backward(x, da, final, blk, plan.scale, plan.kernel)
-            dq = _add_rows(dq, grads.dq, blk.rows, tuple(q.shape), dtype)
+            dq = _add_rows(dq, grads.dq, blk.rows, tuple(qa.shape), dtype)
+            shares.append((blk, grads))
         grad_relay.wait()  # the accumulator for shard `src` has arrived (and our last one has left)
         if step == 0:
-            if (
-                plan.world == 1
-                and grads is not None
-                and blk is not None
-                and blk.cols.stop == shard.k.shape[2]
-            ):
-                acc = [grads.dk, grads.dv]  # the whole answer, no copy
+            whole = len(shares) == 1 and shares[0][0].cols.stop == shard.k.shape[2]
+            if plan.world == 1 and whole:
+                acc = [shares[0][1].dk, shares[0][1].dv]  # the whole answer, no copy
             else:
-                acc = [t.zero_() for t in grad_relay.views(0, src)]
-                _add_cols(acc, grads, blk)
+                acc = [t.zero_() for t in grad_relay.views(0, plan.vid(src, piece))]
+                _add_cols(acc, shares)
         else:
             assert incoming is not None
             acc = incoming
-            _add_cols(acc, grads, blk)
+            _add_cols(acc, shares)
         if plan.world > 1:  # pass it on; after P hops it is back home, complete
-            incoming = grad_relay.start(acc, (step + 1) % 2, plan.src(step + 1))
+            incoming = grad_relay.start(acc, (step + 1) % 2, nxt_vid)
         kv_relay.wait()
         if nxt is not None:
             msg = nxt
     grad_relay.wait()
-    home = incoming if plan.world > 1 else acc  # this rank's own shard's dK, dV, complete
+    home = incoming if plan.world > 1 else acc  # this rank's own piece's dK, dV, complete
     assert home is not None
-    dk, dv = home
-    if dq is None:  # no query of this rank sees any key
-        dq = torch.zeros_like(qa)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq, home
 
 
 def _add_rows(
@@ -253,12 +289,11 @@ def _add_rows(
     return dq
 
 
-def _add_cols(acc: list[Tensor], grads: Grads | None, blk: Block | None) -> None:
-    """Add a block's dk, dv (B, Hkv, m, D*) into the shard's accumulators at its columns."""
-    if grads is None or blk is None:
-        return
-    acc[0][:, :, blk.cols] += grads.dk  # (B, Hkv, m, Dk)
-    acc[1][:, :, blk.cols] += grads.dv  # (B, Hkv, m, Dv)
+def _add_cols(acc: list[Tensor], shares: list[tuple[Block, Grads]]) -> None:
+    """Add each block's dk, dv (B, Hkv, m, D*) into the shard's accumulators at its columns."""
+    for blk, grads in shares:
+        acc[0][:, :, blk.cols] += grads.dk  # (B, Hkv, m, Dk)
+        acc[1][:, :, blk.cols] += grads.dv  # (B, Hkv, m, Dv)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -289,6 +324,7 @@ def ring_attention(
     segment_ids: Tensor | tuple[Tensor, Tensor] | None = None,
     scale: float | None = None,
     block_kernel: str = "auto",
+    kv_pieces: int | None = None,
 ) -> Tensor:
     """Exact attention over a sequence sharded across the ranks of ``group`` (every rank calls it).
 
@@ -320,13 +356,17 @@ def ring_attention(
         block_kernel: what computes each block: ``"flash"`` (PyTorch's fused CPU flash-attention
             forward and backward: CPU, float32/float64 or half precision computed in float32, Dk == Dv),
             ``"math"`` (plain matmuls, anywhere) or ``"auto"`` (flash where it can run).
+        kv_pieces: each K/V shard travels in this many pieces, one ring per piece, so only two pieces
+            are ever in flight (memory per rank: the K/V buffers are 1/kv_pieces of a shard); the same
+            bytes go around in kv_pieces times as many messages. None: pieces of at least
+            :data:`PIECE_KEYS` keys, at most 4 (short shards go whole). 1 on one rank.
 
     Returns:
         (B, H, Lq, Dv): this rank's rows of ``multihead.attention(Q, K, V, causal=..., valid_lens=...)``
         on the full sequences. A query with no visible key gets 0 (and finite gradients). Differentiable
         in q, k, v; backward, like forward, must run on every rank.
 
-    Each rank keeps its (B, H, Lq, Dv) output with its (B, H, Lq) log-sum-exp and one K/V shard in
+    Each rank keeps its (B, H, Lq, Dv) output with its (B, H, Lq) log-sum-exp and two K/V pieces in
     flight; grouped-query K/V are never repeated, so memory per rank falls with the number of ranks.
     Every call makes one small all-gather of the shapes first, so a bad input raises on every rank
     instead of hanging the others.
@@ -343,5 +383,24 @@ def ring_attention(
         scale=scale,
         segment_ids=segment_ids,
         block_kernel=block_kernel,
+        pieces=_auto_pieces(k) if kv_pieces is None else kv_pieces,
     )
-    return _RingAttention.apply(q, k, v, key_mask, plan)
+    return ring_with_plan(q, k, v, key_mask, plan)
+
+
+PIECE_KEYS = 1024
+"""With ``kv_pieces=None`` a K/V shard travels in pieces of at least this many keys (at most 4 pieces)."""
+
+
+def _auto_pieces(k: Tensor) -> int:
+    return max(1, min(4, k.shape[2] // PIECE_KEYS)) if isinstance(k, Tensor) and k.dim() == 4 else 1
+
+
+def ring_with_plan(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None, plan: Plan) -> Tensor:
+    """The ring over an agreed :class:`~.agree.Plan` (what :func:`ring_attention` runs after agreeing):
+    q (B, H, Lq, Dk), k (B, Hkv, Lk, Dk), v (B, Hkv, Lk, Dv), key_mask (B, Lk) -> (B, H, Lq, Dv)."""
+    if plan.has_key_mask and key_mask is None:  # another rank has padding: this one's keys are all real
+        key_mask = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device)  # (B, Lk)
+    out = _RingAttention.apply(q, k, v, key_mask, plan)
+    assert isinstance(out, Tensor)
+    return out

@@ -32,6 +32,7 @@ __all__ = [
     "layout_positions",
     "positions_from_lengths",
     "shard",
+    "split_region",
     "unshard",
     "visible_region",
 ]
@@ -163,6 +164,38 @@ def visible_region(q_pos: Tensor, k_pos: Tensor, causal_offset: int | None) -> R
     if i0 == 0 and j1 == lq and torch.equal(seen, torch.arange(1, lq + 1)):
         return Region(rows, cols, None, True)  # the plain triangle
     return Region(rows, cols, seen[i0:], False)  # a staircase
+
+
+def split_region(region: Region, tile: int | None = None) -> list[Region]:
+    """A staircase region as its staircase rows (a triangle where they form one) and the rows below them
+    that see every visible key (a rectangle): the parts a kernel runs without a (rows, keys) mask.
+
+    Rows that see all of ``region.cols`` form a suffix (``seen`` is non-decreasing). With ``tile``, a
+    rectangle is further cut into tiles of at most ``tile`` rows (what a block allocates -- its output
+    rows -- stays that small).
+    """
+    if region.seen is None:
+        return _tiles(region, tile)
+    seen, full, start = region.seen, region.cols.stop, region.rows.start
+    k = int(torch.searchsorted(seen, full))  # rows [start, start + k) see only part of the keys
+    parts = []
+    if k:
+        stair = seen[:k]
+        j1 = int(stair[-1])
+        triangle = k == j1 and torch.equal(stair, torch.arange(1, k + 1))
+        parts.append(Region(slice(start, start + k), slice(0, j1), None if triangle else stair, triangle))
+    if k < len(seen):
+        parts += _tiles(Region(slice(start + k, region.rows.stop), slice(0, full), None, False), tile)
+    return parts
+
+
+def _tiles(region: Region, tile: int | None) -> list[Region]:
+    """A rectangle (no staircase, no triangle) cut into tiles of at most ``tile`` rows."""
+    rows = region.rows
+    if tile is None or region.seen is not None or region.triangle or rows.stop - rows.start <= tile:
+        return [region]
+    starts = range(rows.start, rows.stop, tile)
+    return [Region(slice(i, min(i + tile, rows.stop)), region.cols, None, False) for i in starts]
 
 
 def causal_work(total: int, world: int, layout: str = "contiguous") -> list[int]:

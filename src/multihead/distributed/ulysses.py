@@ -32,7 +32,7 @@ from torch import Tensor
 
 from ..core.attention import attention_with
 from ..core.options import AttentionOptions
-from .agree import make_plan
+from .agree import answered, make_plan
 
 __all__ = [
     "HeadShare",
@@ -88,25 +88,30 @@ class _Exchange(torch.autograd.Function):
     def forward(ctx: Any, flat: Tensor, send: list[int], recv: list[int], group: Any) -> Tensor:
         ctx.send, ctx.recv, ctx.group = send, recv, group
         out = flat.new_empty(sum(recv))
-        dist.all_to_all_single(out, flat.contiguous(), recv, send, group=group)
+        with answered("ulysses_attention"):
+            dist.all_to_all_single(out, flat.contiguous(), recv, send, group=group)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         back = grad.new_empty(sum(ctx.send))
-        dist.all_to_all_single(back, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
+        with answered("ulysses_attention (backward)"):
+            dist.all_to_all_single(back, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
         return back, None, None, None
 
 
 def exchange(
-    pieces: Sequence[Sequence[Tensor]], shapes: Sequence[Sequence[tuple[int, ...]]], group: Any
+    pieces: list[list[Tensor]], shapes: Sequence[Sequence[tuple[int, ...]]], group: Any
 ) -> list[list[Tensor]]:
     """Send ``pieces[s]`` (tensors of one dtype) to rank s; return what each rank r sent here, viewed
-    at ``shapes[r]``. Differentiable: the gradients go back by the reverse exchange."""
-    flat = torch.cat([t.reshape(-1) for dest in pieces for t in dest])  # one message, in rank order
+    at ``shapes[r]``. Differentiable: the gradients go back by the reverse exchange. ``pieces`` is
+    emptied once packed into the message (copies among them are freed before the transfer)."""
     send = [sum(t.numel() for t in dest) for dest in pieces]
+    flat = torch.cat([t.reshape(-1) for dest in pieces for t in dest])  # one message, in rank order
+    pieces.clear()
     recv = [sum(_numel(s) for s in src) for src in shapes]
     got = _Exchange.apply(flat, send, recv, group)
+    del flat  # the send buffer: the transfer is done
     out, at = [], 0
     for src in shapes:
         views = []
@@ -146,7 +151,7 @@ def seq_to_heads(parts: Sequence[Part], group: Any) -> list[Tensor]:
     Returns, for each part, (B, N_r, L, D): this rank's heads of every token, in sequence order.
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    pieces = [[p.x[:, list(p.heads_of[s])] for p in parts] for s in range(world)]  # (B, N_s, L_r, D)
+    pieces = [[_heads(p.x, p.heads_of[s]) for p in parts] for s in range(world)]  # (B, N_s, L_r, D)
     shapes = [
         [(p.x.shape[0], len(p.heads_of[rank]), len(p.positions[r]), p.x.shape[3]) for p in parts]
         for r in range(world)
@@ -154,9 +159,22 @@ def seq_to_heads(parts: Sequence[Part], group: Any) -> list[Tensor]:
     got = exchange(pieces, shapes, group)
     out = []
     for i, p in enumerate(parts):
-        cat = torch.cat([got[r][i] for r in range(world)], dim=2)  # (B, N_r, L, D) in rank order
-        out.append(cat.index_select(2, _order(p.positions, p.x.device)))  # (B, N_r, L, D) in sequence order
+        whole = got[0][i].new_empty(shapes[0][i][:2] + (sum(map(len, p.positions)), p.x.shape[3]))
+        for r in range(world):  # each rank's tokens to their places: (B, N_r, L, D) in sequence order
+            whole.index_copy_(2, p.positions[r].to(whole.device), got[r][i])
+        out.append(whole)
     return out
+
+
+def _heads(x: Tensor, heads: Sequence[int]) -> Tensor:
+    """``x[:, heads]``: a view when the heads are consecutive (no copy before the message is packed)."""
+    heads = list(heads)
+    if not heads:
+        return x[:, :0]
+    first = heads[0]
+    if heads == list(range(first, first + len(heads))):
+        return x[:, first : first + len(heads)]
+    return x[:, heads]
 
 
 def heads_to_seq(out: Tensor, heads: Sequence[int], positions: Sequence[Tensor], group: Any) -> Tensor:
@@ -167,6 +185,7 @@ def heads_to_seq(out: Tensor, heads: Sequence[int], positions: Sequence[Tensor],
     rank = dist.get_rank(group)
     b, _, _, d = out.shape
     pieces = [[out.index_select(2, p.to(out.device))] for p in positions]  # (B, H_r, L_s, D) for rank s
+    del out  # the caller's reference remains; without grad, the pieces are all that is needed
     shapes = [[(b, h, len(positions[rank]), d)] for h in heads]
     got = exchange(pieces, shapes, group)
     return torch.cat([g[0] for g in got], dim=1)  # (B, H, L_r, D)
@@ -180,7 +199,8 @@ def gather_tokens(x: Tensor, positions: Sequence[Tensor], group: Any) -> Tensor:
     longest = max(len(p) for p in positions)
     padded = torch.cat([wire, wire.new_zeros(wire.shape[0], longest - wire.shape[1])], 1).contiguous()
     parts = [torch.empty_like(padded) for _ in positions]
-    dist.all_gather(parts, padded, group=group)
+    with answered("ulysses_attention"):
+        dist.all_gather(parts, padded, group=group)
     flat = torch.cat([p[:, : len(pos)] for p, pos in zip(parts, positions)], 1)  # (B, L) in rank order
     return flat.index_select(1, _order(positions, x.device)).to(dtype)  # (B, L)
 
@@ -270,8 +290,8 @@ def ulysses_attention(
     if plan.q_ids is not None and plan.kv_ids is not None:
         ids = (gather_tokens(plan.q_ids, qp, group), gather_tokens(plan.kv_ids, kp, group))
         options = options.replace(segment_ids=ids)  # (B, L_q), (B, L_k)
-    if key_mask is not None:
-        keep = gather_tokens(key_mask, kp, group)  # (B, L_k)
+    if plan.has_key_mask:  # some rank has padding (a rank without key_mask has real keys only)
+        keep = gather_tokens(keys_kept(key_mask, k), kp, group)  # (B, L_k)
         options = options.replace(mask=_and_keys(options.mask, keep))
     kv_of = [s.kv for s in shares]
     qh, kh, vh = seq_to_heads(
@@ -280,10 +300,20 @@ def ulysses_attention(
     if mine.heads:
         out = attention_with(qh, kh, vh, options, backend)  # (B, H_r, L_q, Dv)
         assert isinstance(out, Tensor)
+        del qh, kh, vh  # without grad they are free now (with grad, attention saved what it needs)
     else:  # more ranks than heads: this rank attends for none
         out = qh.new_zeros(qh.shape[:3] + (v.shape[-1],))  # (B, 0, L_q, Dv)
         out = out + 0 * (qh.sum() + kh.sum() + vh.sum())  # keep the exchanges in the graph (their backward)
     return heads_to_seq(out, [s.heads for s in shares], qp, group)  # (B, H, Lq_r, Dv)
+
+
+def keys_kept(key_mask: Tensor | None, k: Tensor) -> Tensor:
+    """``key_mask`` (B, Lk_r), or all True when None."""
+    return (
+        torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device)
+        if key_mask is None
+        else key_mask
+    )
 
 
 def _and_keys(mask: Callable[..., Tensor] | None, keep: Tensor) -> Any:

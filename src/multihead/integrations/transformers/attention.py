@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from ...core import masks as _masks
 from ...core.options import AttentionOptions
+from ...distributed.context import current
 from ...nn import seam
 from .internals import _recording_attentions
 from .models import _check_config
@@ -36,6 +37,12 @@ def segments_from_positions(position_ids: Tensor) -> Tensor:
     first = position_ids[:, :1] - 1  # (B, 1): the first position always "follows on"
     step = torch.diff(position_ids, prepend=first, dim=-1)  # (B, L)
     return (step != 1).cumsum(-1)  # (B, L)
+
+
+def _packed_segments(position_ids: Tensor) -> Tensor | None:
+    """(B, L) sequence ids where positions restart, or None when every row is one sequence."""
+    ids = segments_from_positions(position_ids)  # (B, L)
+    return ids if bool(ids[:, -1].any()) else None
 
 
 def _segments(kwargs: Mapping[str, Any], batch: int, length: int) -> Tensor | None:
@@ -84,6 +91,12 @@ def attention_forward(
     config = getattr(module, "config", None)
     if config is not None:
         _check_config(config)
+    if seam.is_sharded(
+        getattr(module, "attention_fn", None)
+    ):  # inside multihead.distributed.context_parallel
+        return _sharded_forward(
+            module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs
+        )
     if kwargs.get("cache") is not None:
         raise ValueError(
             "multihead attention does not serve transformers' paged cache (continuous batching); use "
@@ -140,3 +153,52 @@ def attention_forward(
     heads, weights = seam.attend(module, query, key, value, options)  # type: ignore[arg-type]
     # (B, H, Lq, D), (B, H, Lq, Lk) | None
     return heads.transpose(1, 2).contiguous(), weights  # (B, Lq, H, D)
+
+
+def _sharded_forward(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | Callable[..., Tensor] | None,
+    dropout: float,
+    scaling: float | None,
+    is_causal: bool | None,
+    kwargs: Mapping[str, Any],
+) -> tuple[Tensor, None]:
+    """:func:`attention_forward` on this rank's shard, inside :func:`multihead.distributed.context_parallel`.
+
+    query (B, H, L_r, D), key/value (B, Hkv, L_r, D): this rank's tokens. Causal over the global
+    positions when the module is; ``attention_mask`` is the key-padding mask (B, 1, 1, L_r) that
+    :func:`~.mask.mask_interface` returns in the block; packed sequences are found where the *global*
+    ``position_ids`` restart (across rank boundaries too). Sliding windows, position biases and caches
+    are per rank and refused.
+    """
+    for name in ("sliding_window", "position_bias", "cache"):
+        if kwargs.get(name) is not None:
+            raise ValueError(
+                f"{type(module).__name__} passes {name}= to its attention, which context_parallel does not serve "
+                f"(it would be per rank); run this model without context parallelism"
+            )
+    positions = kwargs.get("position_ids")
+    if not isinstance(positions, Tensor):
+        raise ValueError(
+            "inside context_parallel a Hugging Face model needs the GLOBAL position_ids of this rank's tokens: "
+            "call model(**cp.shard(batch)) (it cuts input_ids, position_ids and labels)"
+        )
+    cp = current()
+    if cp is None:
+        raise RuntimeError("a sharded attention function is installed outside a context_parallel block")
+    ids = cp.from_global(positions.expand(query.shape[0], -1), _packed_segments)  # (B, L_r) | None
+    options = AttentionOptions(
+        mask=attention_mask if isinstance(attention_mask, Tensor) else None,
+        causal=bool(getattr(module, "is_causal", True) if is_causal is None else is_causal),
+        segment_ids=ids,
+        scale=scaling,
+        dropout=dropout,
+        softcap=kwargs.get("softcap"),
+        sinks=kwargs.get("s_aux", kwargs.get("sinks")),
+        return_weights=bool(kwargs.get("output_attentions")),
+    )
+    heads, _ = seam.attend(module, query, key, value, options)  # type: ignore[arg-type]  # (B, H, L_r, D)
+    return heads.transpose(1, 2).contiguous(), None  # (B, L_r, H, D)

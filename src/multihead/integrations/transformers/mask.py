@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 from transformers.masking_utils import sdpa_mask
 
+from ...distributed.context import current
 from .models import _check_config
 
 # ------------------------------------------------------------------------------------------------
@@ -54,12 +55,20 @@ def mask_interface(
       causal or full mask needs none;
     - for packed sequences (padding-free batches: no padding mask, positions that restart) the index
       function itself, ``fn(b, h, q_idx, kv_idx) -> bool``: nothing (Lq, Lk)-sized is built, and
-      :func:`attention_forward` adds the sequences as ``segment_ids``.
+      :func:`attention_forward` adds the sequences as ``segment_ids``;
+    - inside :func:`multihead.distributed.context_parallel`, only this rank's key padding (B, 1, 1, L_r)
+      or None: causality and packing are over global positions, which the attention function knows.
 
     Also refuses, on the first call, a model family whose attention bypasses the interface.
     """
     if config is not None:
         _check_config(config)
+    if (
+        current() is not None
+    ):  # inside context_parallel: this rank's key padding only (attention adds the rest)
+        if attention_mask is None or bool(attention_mask.all()):
+            return None
+        return attention_mask[:, None, None, :].bool()  # (B, 1, 1, L_r)
     call = dict(
         batch_size=batch_size,
         q_length=q_length,

@@ -1,0 +1,204 @@
+"""A planner for machines you do not have: memory, traffic and time of each strategy, per rank and layer.
+
+Dimensions: B batch, L total sequence length, P ranks, N = L / P tokens per rank, H query heads, Hkv
+key/value heads, D head dim, b bytes per element, U Ulysses size and R = P / U ring length (hybrid).
+
+:func:`plan` counts what :mod:`multihead.distributed` does (the same head split, the same messages),
+so the bytes are exact for these implementations (the benchmark checks them against the collectives'
+own byte counts); time comes from rates you give -- a compute rate for attention (FLOP/s) and a link
+rate per rank (bytes/s) with a per-message latency -- or from a preset (:data:`PRESETS`). The model:
+
+* compute: attention is 4 B H L^2 D FLOPs forward (half with ``causal``, balanced by zigzag), backward
+  2.5x that; each rank does 1/P of it (Ulysses: its heads of everything; ring: its queries x all keys);
+* ring: P steps; a step computes its block while the next K/V shard is in flight, so each step costs
+  the longer of the two (forward: P - 1 K/V transfers; backward: P - 1 K/V and P dK/dV transfers);
+* Ulysses: all-to-all of q, k, v to head shards, attention, all-to-all of the output back (backward
+  the reverse): transfers are not overlapped with compute;
+* hybrid: Ulysses inside groups of U ranks, then a ring of R over the groups' token sets.
+
+Memory is the forward peak per rank in elements of the working dtype: this rank's q, k, v and
+output plus the strategy's buffers (ring: K/V messages in flight; Ulysses: the exchange buffers and
+the whole-sequence head shards).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from .hybrid import choose_ulysses_size
+from .ring import PIECE_KEYS
+from .ulysses import head_split
+
+__all__ = ["PRESETS", "Estimate", "Machine", "plan"]
+
+
+class Machine(NamedTuple):
+    """Rates of one rank: ``compute`` attention FLOP/s, ``link`` bytes/s each rank sends, ``latency`` s
+    per message."""
+
+    compute: float
+    link: float
+    latency: float
+
+
+PRESETS: dict[str, Machine] = {
+    # bf16 attention at flash-attention 2's measured pace on H100/H800 (~300 TFLOP/s forward+backward,
+    # ring-flash-attention's 8xH800 flash_attn baseline), per-direction link bandwidth as achieved
+    "h100-nvlink": Machine(compute=300e12, link=300e9, latency=10e-6),  # NVLink 4 (450 GB/s peak)
+    "h800-nvlink": Machine(compute=300e12, link=150e9, latency=10e-6),  # NVLink at 400 GB/s both ways
+    "h100-ib": Machine(compute=300e12, link=45e9, latency=20e-6),  # InfiniBand NDR 400 Gb/s per GPU
+}
+"""Named :class:`Machine` presets (pass ``machine=`` for your own, e.g. the rates the benchmark
+measures with gloo on your CPU)."""
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One strategy's cost per rank and layer."""
+
+    strategy: str
+    ulysses_size: int  # U (ring: 1, Ulysses: P)
+    memory_bytes: int  # forward peak: this rank's q, k, v, output and the strategy's buffers
+    sent_forward: int  # bytes this rank sends in the forward pass
+    sent_backward: int  # bytes this rank sends in the backward pass
+    seconds_forward: float
+    seconds_backward: float
+
+    @property
+    def seconds(self) -> float:
+        return self.seconds_forward + self.seconds_backward
+
+
+def _ring(
+    *, batch: int, tokens: int, heads: int, kv_heads: int, dim: int, ranks: int, b: int, pieces: int
+) -> tuple[int, int, int]:
+    """Ring over ``ranks`` of ``tokens`` each: (peak elements beyond q/k/v/out, sent fwd, sent bwd) in bytes."""
+    kv = 2 * batch * kv_heads * tokens * dim * b  # one K/V shard
+    in_flight = 0 if ranks == 1 else 2 * kv // pieces  # two alternating receive buffers
+    lse = batch * heads * tokens * 4
+    return in_flight + lse, (ranks - 1) * kv, (ranks - 1) * kv + (ranks if ranks > 1 else 0) * kv
+
+
+def _ulysses(
+    *, batch: int, tokens: int, heads: int, kv_heads: int, dim: int, ranks: int, b: int
+) -> tuple[int, int, int, float]:
+    """Ulysses over ``ranks`` of ``tokens`` each: (extra peak bytes, sent fwd, sent bwd, largest share of
+    the heads), rank 0's (the largest share: tensor_split gives the first ranks the extra heads)."""
+    shares = head_split(heads, kv_heads, ranks)
+    unit = batch * tokens * dim * b  # one head of one rank's tokens
+    mine = shares[0]
+    # q/k/v to the other ranks' heads, and the output of my heads for the other ranks' tokens
+    qkv_out = sum((s.heads + 2 * len(s.kv)) * unit for s in shares[1:])
+    out_back = mine.heads * (ranks - 1) * unit
+    fwd = qkv_out + out_back
+    # backward: the output's gradient to the head owners, then dq, dk, dv back to the token owners
+    bwd = sum(s.heads * unit for s in shares[1:]) + (mine.heads + 2 * len(mine.kv)) * (ranks - 1) * unit
+    whole = (mine.heads + 2 * len(mine.kv)) * ranks * unit  # my heads of every token (q, k, v)
+    heads_out = mine.heads * ranks * unit  # my heads' output over every token
+    # the largest of: received + placed q/k/v; placed q/k/v + output heads; output heads, its pieces and
+    # the message (each an exchange's buffers alive at once)
+    extra = max(2 * whole, whole + heads_out, 3 * heads_out)
+    return extra, fwd, bwd, mine.heads / heads
+
+
+def plan(
+    seq_len: int,
+    *,
+    heads: int,
+    kv_heads: int | None = None,
+    head_dim: int,
+    world: int,
+    batch: int = 1,
+    dtype_bytes: int = 2,
+    causal: bool = True,
+    machine: str | Machine = "h100-nvlink",
+    ulysses_size: int | None = None,
+    pieces: int | None = None,
+) -> dict[str, Estimate]:
+    """Predict, for ring, Ulysses and hybrid, memory per rank, bytes sent per rank and time, per layer.
+
+    Args:
+        seq_len: L, the total tokens of a sequence (split over ``world`` ranks).
+        heads, kv_heads, head_dim: H, Hkv (default H), D.
+        world: P ranks. batch: B sequences. dtype_bytes: b (2 for bf16/fp16, 4 for fp32).
+        causal: halves the attention FLOPs (zigzag keeps the ranks balanced).
+        machine: a :data:`PRESETS` name or a :class:`Machine` with your own rates.
+        ulysses_size: U for hybrid (None: the largest size dividing P, H and Hkv).
+        pieces: how many pieces a remote K/V shard is streamed in (the ring's in-flight memory / pieces);
+            None: as :func:`~multihead.distributed.ring_attention` chooses (pieces of >= 1024 keys, <= 4).
+
+    Returns ``{"ring": Estimate, "ulysses": Estimate, "hybrid": Estimate}``. For ``world=4``, L = 16k,
+    H = Hkv = 8, D = 64 in float32, the ring sends 3 K/V shards forward: 3 * 2 * 4096 * 8 * 64 * 4 bytes.
+    """
+    if isinstance(machine, str) and machine not in PRESETS:
+        raise ValueError(
+            f"machine must be one of {sorted(PRESETS)} or a multihead.distributed.Machine, got {machine!r}"
+        )
+    rates = PRESETS[machine] if isinstance(machine, str) else machine
+    hkv = heads if kv_heads is None else kv_heads
+    n = seq_len // world
+    if pieces is None:
+        pieces = max(1, min(4, n // PIECE_KEYS))
+    b = dtype_bytes
+    own = (2 * batch * heads * n * head_dim + 2 * batch * hkv * n * head_dim) * b  # q, out, k, v
+    flops_fwd = 4 * batch * heads * seq_len * seq_len * head_dim * (0.5 if causal else 1.0)
+    compute_fwd = flops_fwd / world / rates.compute
+    compute_bwd = 2.5 * compute_fwd
+
+    def ring_time(kv_bytes: int, ranks: int, fwd: float, bwd: float) -> tuple[float, float]:
+        if ranks == 1:
+            return fwd, bwd
+        step = kv_bytes / rates.link + rates.latency
+        return (
+            fwd / ranks + (ranks - 1) * max(fwd / ranks, step),
+            bwd / ranks + (ranks - 1) * max(bwd / ranks, 2 * step),
+        )
+
+    out: dict[str, Estimate] = {}
+    extra, sf, sb = _ring(
+        batch=batch, tokens=n, heads=heads, kv_heads=hkv, dim=head_dim, ranks=world, b=b, pieces=pieces
+    )
+    kv_shard = 2 * batch * hkv * n * head_dim * b
+    tf, tb = ring_time(kv_shard, world, compute_fwd, compute_bwd)
+    out["ring"] = Estimate("ring", 1, own + extra, sf, sb, tf, tb)
+
+    extra, sf, sb, share = _ulysses(
+        batch=batch, tokens=n, heads=heads, kv_heads=hkv, dim=head_dim, ranks=world, b=b
+    )
+    heavy = share * world  # the rank with the most heads sets the pace
+    msgs = 2 * (world - 1) * rates.latency
+    tf = compute_fwd * heavy + sf / rates.link + msgs
+    tb = compute_bwd * heavy + sb / rates.link + msgs
+    out["ulysses"] = Estimate("ulysses", world, own + extra, sf, sb, tf, tb)
+
+    u = choose_ulysses_size(heads, hkv, world) if ulysses_size is None else ulysses_size
+    r = world // u
+    extra_u, uf, ub, share = _ulysses(
+        batch=batch, tokens=n, heads=heads, kv_heads=hkv, dim=head_dim, ranks=u, b=b
+    )
+    hs = head_split(heads, hkv, u)[0]
+    extra_r, rf, rb = _ring(
+        batch=batch,
+        tokens=n * u,
+        heads=hs.heads,
+        kv_heads=len(hs.kv),
+        dim=head_dim,
+        ranks=r,
+        b=b,
+        pieces=pieces,
+    )
+    kv_group = 2 * batch * len(hs.kv) * n * u * head_dim * b
+    heavy = share * u
+    rtf, rtb = ring_time(kv_group, r, compute_fwd * heavy, compute_bwd * heavy)
+    msgs = 2 * (u - 1) * rates.latency
+    out["hybrid"] = Estimate(
+        "hybrid",
+        u,
+        own + extra_u + extra_r,
+        uf + rf,
+        ub + rb,
+        rtf + uf / rates.link + msgs,
+        rtb + ub / rates.link + msgs,
+    )
+    return out

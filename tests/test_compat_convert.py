@@ -226,8 +226,24 @@ def test_compile_fullgraph_equals_eager(case):
     ours = convert(case.model.eval())
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(functools.partial(case.call, ours), fullgraph=True, backend=counter)
-    torch.testing.assert_close(compiled(*case.inputs), case.run(case.model))
+    try:
+        got = compiled(*case.inputs)
+    except torch._dynamo.exc.Unsupported:
+        _skip_if_torchs_own_model_breaks_the_graph(case)
+        raise
+    torch.testing.assert_close(got, case.run(case.model))
     assert counter.frame_count == 1
+
+
+def _skip_if_torchs_own_model_breaks_the_graph(case):
+    """Before torch 2.9, nn.TransformerEncoder's nested-tensor check breaks the graph of torch's own model."""
+    torch._dynamo.reset()
+    try:
+        torch.compile(functools.partial(case.call, case.model), fullgraph=True, backend="aot_eager")(
+            *case.inputs
+        )
+    except torch._dynamo.exc.Unsupported as exc:
+        pytest.skip(f"torch {torch.__version__}'s own unconverted model does not compile whole: {exc}"[:300])
 
 
 def test_head_tools_work_on_the_converted_model(case, tmp_path):

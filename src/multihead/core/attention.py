@@ -216,7 +216,20 @@ def attention(
     Equals ``softmax(softcap(q @ k^T * scale) + bias, masked) @ v`` with K/V repeated H // Hkv times;
     see :func:`attention_reference`.
     """
-    options = AttentionOptions.pick(locals())  # the ten keywords above, as one record
+    options = (
+        AttentionOptions(  # the ten keywords above, as one record (not locals(): dynamo < 2.9 refuses it)
+            mask=mask,
+            bias=bias,
+            valid_lens=valid_lens,
+            causal=causal,
+            segment_ids=segment_ids,
+            softcap=softcap,
+            sinks=sinks,
+            scale=scale,
+            dropout=dropout,
+            return_weights=return_weights,
+        )
+    )
     return attention_with(q, k, v, options, backend)
 
 
@@ -249,7 +262,20 @@ def attention_reference(
     the whole mask, and applies softmax directly (a sink is one more column of the softmax that is
     dropped afterwards); nothing clever.
     """
-    options = AttentionOptions.pick(locals())  # the ten keywords above, as one record
+    options = (
+        AttentionOptions(  # the ten keywords above, as one record (not locals(): dynamo < 2.9 refuses it)
+            mask=mask,
+            bias=bias,
+            valid_lens=valid_lens,
+            causal=causal,
+            segment_ids=segment_ids,
+            softcap=softcap,
+            sinks=sinks,
+            scale=scale,
+            dropout=dropout,
+            return_weights=return_weights,
+        )
+    )
     return reference_with(q, k, v, options)
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple, Protocol
 
@@ -87,11 +87,6 @@ class AttentionOptions:
     def given(self) -> tuple[str, ...]:
         """Names of the options that differ from their defaults (what a call actually asks for)."""
         return tuple(name for name in OPTION_NAMES if not _is_default(name, getattr(self, name)))
-
-    @classmethod
-    def pick(cls, values: Mapping[str, Any]) -> AttentionOptions:
-        """The record of the option-named entries of ``values`` (a public function's ``locals()``)."""
-        return cls(**{name: values[name] for name in OPTION_NAMES})
 
     @classmethod
     def of(cls, **kwargs: Any) -> AttentionOptions:

@@ -14,7 +14,7 @@ import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from attention_cases import LargestTensor
 
 import multihead as mh
 from multihead.core import backends, masks
@@ -341,21 +341,6 @@ def test_tiles_beyond_the_window_are_never_computed_nor_evaluated_past_the_diago
     assert all(q0 - k0 < w + blk and k1 <= q1 for q0, q1, k0, k1 in computed)
 
 
-class _LargestTensor(TorchDispatchMode):
-    """Records the largest number of elements of any tensor an op creates."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "autograd"])
 @pytest.mark.parametrize("path", ["tiled", "varlen"])
 def test_no_tensor_of_the_scores_size(path, grad):
@@ -368,7 +353,7 @@ def test_no_tensor_of_the_scores_size(path, grad):
         if path == "tiled"
         else dict(segments=(_packed([75, 125, 56]),) * 2)
     )
-    with torch.set_grad_enabled(grad), _LargestTensor() as seen:
+    with torch.set_grad_enabled(grad), LargestTensor() as seen:
         out = _run(BlockedBackend(block_q=32, span_k=128), q, k, v, **kwargs)
         if grad:
             out.sum().backward()

@@ -41,6 +41,7 @@ from torch import Tensor
 
 from ..checks import is_int
 from ..masks import MaskFunction, Normalized, attn_mask, causal, combine, evaluate_block, open_dead_rows
+from ..masks.blocks import BlockMaskFunction, Blocks, structure
 from ..segments import segment_runs
 from ._common import group_mask, kv_for_cpu_kernel, zero_dead_rows
 from .base import AttentionCall
@@ -63,11 +64,20 @@ class BlockedBackend:
 
     name = "blocked"
 
-    def __init__(self, *, block_q: int = 384, span_k: int = 2048, dense_min_pairs: int = 1 << 20) -> None:
-        for arg, value in (("block_q", block_q), ("span_k", span_k), ("dense_min_pairs", dense_min_pairs)):
+    def __init__(
+        self, *, block_q: int = 384, span_k: int = 2048, block_k: int = 128, dense_min_pairs: int = 1 << 20
+    ) -> None:
+        for arg, value in (
+            ("block_q", block_q), ("span_k", span_k), ("block_k", block_k), ("dense_min_pairs", dense_min_pairs)
+        ):  # fmt: skip
             if not is_int(value, 1):
                 raise ValueError(f"{arg} must be a positive int, got {value!r}")
-        self.block_q, self.span_k, self.dense_min_pairs = block_q, span_k, dense_min_pairs
+        self.block_q, self.span_k, self.block_k, self.dense_min_pairs = (
+            block_q,
+            span_k,
+            block_k,
+            dense_min_pairs,
+        )
 
     def why_not(self, call: AttentionCall) -> Iterator[str]:
         q, m = call.q, call.masks
@@ -112,10 +122,15 @@ class BlockedBackend:
         grad = torch.is_grad_enabled()  # out of place (autograd) or in place (inference)
         out = None if grad else q.new_empty(b, h, lq, dv)  # (Bs, H, Lq', Dv)
         blocks: list[Tensor] = []
-        for i0 in range(0, lq, self.block_q):
-            i1 = min(lq, i0 + self.block_q)
+        tiles = frame.structure(self.block_q, self.block_k)  # which tiles are empty, partial, full
+        step = self.block_q if tiles is None else tiles.block_q * max(1, self.block_q // tiles.block_q)
+        for i0 in range(0, lq, step):
+            i1 = min(lq, i0 + step)
             n = i1 - i0
-            spans = list(frame.spans(i0, i1, lk, self.span_k, q.dtype))  # [_Span]
+            if tiles is None:  # no structure: the mask is probed tile by tile
+                spans = list(frame.spans(i0, i1, lk, self.span_k, q.dtype))  # [_Span]
+            else:  # full tiles apart (no mask) where their log-sum-exp is merged; together under autograd
+                spans = list(frame.block_spans(i0, i1, lk, self.span_k, q.dtype, tiles, split=not grad))
             if softcap is None and (not grad or (len(spans) == 1 and sinks is None)):
                 qg = q[:, :, i0:i1].reshape(b, hkv, g * n, dk)  # (Bs, Hkv, G*n, Dk), heads stacked
                 block = _fused(qg, k, v, spans, i0, i1, call.scale, sinks, h, grad)
@@ -337,6 +352,47 @@ class _Frame:
         """The span of keys j0:j1 from its probes' (width, keep or None = all allowed), with its bias
         (evaluated on the span's keys only)."""
         return _Span(j0, j1, _joined(pieces), self.tile(i0, i1, j0, j1, dtype, keep=False)[1])
+
+    def structure(self, block_q: int, block_k: int) -> Blocks | None:
+        """The mask function's tile structure (:func:`multihead.core.masks.blocks.structure`) for a frame of
+        the whole call, or ``None`` (no mask function, a packed run, or a function that cannot be bounded)."""
+        fn = self.m.mask_fn
+        if fn is None or self.q0 or self.k0 or self.b0 or self.b1 != self.target[0]:
+            return None
+        return structure(fn, self.target, block_q, block_k)
+
+    def block_spans(self, i0: int, i1: int, lk: int, span: int, dtype: torch.dtype, tiles: Blocks,
+                    split: bool) -> Iterator[_Span]:  # fmt: skip
+        """For queries i0:i1 (whole rows of ``tiles``), the key spans to compute from the mask function's
+        tile structure: empty tiles never; full ones with no mask function (``split``: as spans of their
+        own, else joined with their partial neighbours); partial ones with it, evaluated on the span."""
+        r0, r1 = i0 // tiles.block_q, -(-i1 // tiles.block_q)
+        partial_rows = tiles.allowed[r0:r1] & ~tiles.full[r0:r1]  # (rows, nk)
+        allowed, full = tiles.allowed[r0:r1].any(0), tiles.full[r0:r1].all(0)  # (nk,) for the whole block
+        pure = partial_rows.all(0)  # partial in every row: the inner function alone decides there
+        lo, hi = self.key_range(i0, i1, lk)
+        bk = tiles.block_k
+        cols = (allowed.byte() + (full & allowed & split).byte()).tolist()  # 0 empty, 1 partial, 2 full
+        start, cur = None, 0
+        c0, c1 = lo // bk, -(-hi // bk)
+        for c in range(c0, c1 + 1):
+            here = cols[c] if c < c1 else 0
+            if start is not None and (here != cur or (c - start) * bk >= span or here == 0):
+                yield self._block_span(i0, i1, max(lo, start * bk), min(hi, c * bk), dtype, cur == 2,
+                                       bool(pure[start:c].all()))  # fmt: skip
+                start = None
+            if start is None and here:
+                start, cur = c, here
+
+    def _block_span(self, i0: int, i1: int, j0: int, j1: int, dtype: torch.dtype, full: bool,
+                    pure: bool) -> _Span:  # fmt: skip
+        """One span of a structured block: the mask function left out on full tiles, its inner function
+        used where every tile is partial in every row (a BlockMask's mask_mod), the whole function else."""
+        fn = self.m.mask_fn
+        inner = fn.inner if isinstance(fn, BlockMaskFunction) and pure else fn
+        frame = replace(self, m=replace(self.m, mask_fn=None if full else inner))
+        keep, bias = frame.tile(i0, i1, j0, j1, dtype)
+        return _Span(j0, j1, keep, bias)
 
     def key_range(self, i0: int, i1: int, lk: int) -> tuple[int, int]:
         """Local keys lo:hi outside which queries i0:i1 see nothing: the causal diagonal and the mask

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ..checks import check_bias, check_mask, check_segment_ids, check_valid_lens
+from .blocks import BlockMaskFunction, from_flex, is_flex_block_mask
 from .dense import causal_keep, combine, from_valid_lens, index_grid, segment_mask
 from .evaluate import call_fn, open_dead_rows, probe_fn
 from .functions import BiasFn, MaskFn
@@ -101,6 +102,10 @@ def normalize(
     b, _, lq, lk = target
     if causal and lq == 1 and lk >= 1:
         causal = False  # one query, bottom-right aligned, sees every key: a decoding step needs no mask
+    if is_flex_block_mask(mask):
+        mask = from_flex(mask, target)  # its structure and mask_mod, as FlexAttention computes them
+    if isinstance(mask, BlockMaskFunction):
+        mask.blocks.check(target)
     mask_fn = mask if _is_fn(mask) else None
     bias_fn = bias if _is_fn(bias) else None
     mask_broadcast = probe_fn(mask_fn, target, "mask", device) if mask_fn is not None else True

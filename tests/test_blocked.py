@@ -490,7 +490,7 @@ def test_auto_sends_small_packed_cpu_batches_to_blocked():
     call = AttentionCall(q, k, v, mh.masks.normalize((1, 4, 128, 128), segment_ids=ids, causal=True),
                          8**-0.5, 0.0, False)  # fmt: skip
     assert backends.select(call).name == "blocked"
-    assert "packed segment ids on CPU" in backends.get("sdpa").defers(call)
+    assert "packed segment ids on CPU" in backends.get("sdpa").defers(call).reason
     want = mh.attention_reference(q, k, v, segment_ids=ids, causal=True)
     for name in ("auto", "sdpa"):
         got = mh.attention(q, k, v, segment_ids=ids, causal=True, backend=name)

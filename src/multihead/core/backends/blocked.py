@@ -42,7 +42,7 @@ from torch import Tensor
 from ..checks import is_int
 from ..masks import MaskFunction, Normalized, attn_mask, causal, combine, evaluate_block, open_dead_rows
 from ..masks.blocks import BlockMaskFunction, Blocks, structure
-from ..segments import segment_runs
+from ..segments import Run, packed_runs
 from ._common import group_mask, kv_for_cpu_kernel, zero_dead_rows
 from .base import AttentionCall
 
@@ -50,7 +50,6 @@ __all__ = ["BlockedBackend", "packed_runs"]
 
 _DTYPES = (torch.float32, torch.float64)
 PROBE = 16384  # (query, key) pairs of one mask probe: half PyTorch's grain size, so it runs serially
-Run = tuple[int, int, int, int]  # (q start, q end, k start, k end) of one packed sequence
 
 
 class BlockedBackend:
@@ -217,32 +216,6 @@ class BlockedBackend:
 # ----------------------------------------------------------------------------------------------
 # Packed runs
 # ----------------------------------------------------------------------------------------------
-
-
-def _runs(ids: Tensor) -> list[dict[int, tuple[int, int]]] | None:
-    """Per row of ids (B, L): {id: (start, end)} of the runs of equal non-negative ids
-    (:func:`multihead.segments.segment_runs`), or ``None`` if some id has two runs in a row (not the
-    packed layout)."""
-    rows: list[dict[int, tuple[int, int]]] = [{} for _ in range(ids.shape[0])]
-    runs = segment_runs(ids)
-    for row, start, length, value in torch.stack(tuple(runs)).T.tolist():  # one host sync
-        if value in rows[row]:
-            return None
-        rows[row][value] = (start, start + length)
-    return rows
-
-
-def packed_runs(q_ids: Tensor, kv_ids: Tensor) -> list[list[Run]] | None:
-    """For segment ids q_ids (B, Lq), kv_ids (B, Lk): per batch row, the (q start, q end, k start, k end)
-    of every id present on both sides, in query order; ``None`` unless every id forms one contiguous run
-    on each side (the packed layout). Negative ids (padding) form no run."""
-    qr, kr = _runs(q_ids), _runs(kv_ids)
-    if qr is None or kr is None:
-        return None
-    return [
-        sorted((qs, qe, *krow[i]) for i, (qs, qe) in qrow.items() if i in krow)
-        for qrow, krow in zip(qr, kr, strict=True)
-    ]
 
 
 def _cuts(spans: list[tuple[int, int]], length: int) -> tuple[list[int], list[int]]:

@@ -57,20 +57,34 @@ class BlockedBackend:
     (B, H, block_q, span_k)); ``dense_min_pairs``: the Lq*Lk from which a call whose masks are all
     dense tensors but that has a softcap or sinks comes here rather than to ``math``.
 
-    384 queries a block: each block costs a fused-kernel call and a mask pass, so fewer, larger blocks
-    amortise them; with a 512-key sliding window at L = 16,384 the window call took 0.38x / 0.25x / 0.21x the
-    unmasked call's time at 128 / 256 / 384 (one measurement each, 2 cores, load about 5)."""
+    ``block_k``: the key granularity of the tile structure (empty / partial / full tiles); ``full_min``:
+    the fewest keys a run of full tiles has to run unmasked as a kernel call of its own (narrower runs are
+    masked with their partial neighbours: a call and a log-sum-exp merge cost more than the mask).
+
+    256 queries a block: each block costs a fused-kernel call, so fewer, larger blocks amortise it, while
+    smaller ones compute fewer masked pairs around a band's edges. With the tile structure, plain lambdas
+    at L = 4,096 (H = 8, D = 64, one thread, CPU seconds, machine busy): causal window 512 0.120 / 0.107 /
+    0.103, two-sided 0.186 / 0.176 / 0.185, chunked 0.084 / 0.062 / 0.062 at 384 / 256 / 128 queries a
+    block; prefix-LM 0.282 / 0.283 / 0.322. (Before the structure, by probes: 384 was best.)"""
 
     name = "blocked"
 
     def __init__(
-        self, *, block_q: int = 384, span_k: int = 2048, block_k: int = 128, dense_min_pairs: int = 1 << 20
+        self,
+        *,
+        block_q: int = 256,
+        span_k: int = 2048,
+        block_k: int = 128,
+        full_min: int = 512,
+        dense_min_pairs: int = 1 << 20,
     ) -> None:
         for arg, value in (
-            ("block_q", block_q), ("span_k", span_k), ("block_k", block_k), ("dense_min_pairs", dense_min_pairs)
+            ("block_q", block_q), ("span_k", span_k), ("block_k", block_k), ("full_min", full_min),
+            ("dense_min_pairs", dense_min_pairs),
         ):  # fmt: skip
             if not is_int(value, 1):
                 raise ValueError(f"{arg} must be a positive int, got {value!r}")
+        self.full_min = full_min
         self.block_q, self.span_k, self.block_k, self.dense_min_pairs = (
             block_q,
             span_k,
@@ -129,7 +143,11 @@ class BlockedBackend:
             if tiles is None:  # no structure: the mask is probed tile by tile
                 spans = list(frame.spans(i0, i1, lk, self.span_k, q.dtype))  # [_Span]
             else:  # full tiles apart (no mask) where their log-sum-exp is merged; together under autograd
-                spans = list(frame.block_spans(i0, i1, lk, self.span_k, q.dtype, tiles, split=not grad))
+                spans = list(
+                    frame.block_spans(
+                        i0, i1, lk, self.span_k, q.dtype, tiles, self.full_min if not grad else 0
+                    )
+                )
             if softcap is None and (not grad or (len(spans) == 1 and sinks is None)):
                 qg = q[:, :, i0:i1].reshape(b, hkv, g * n, dk)  # (Bs, Hkv, G*n, Dk), heads stacked
                 block = _fused(qg, k, v, spans, i0, i1, call.scale, sinks, h, grad)
@@ -335,19 +353,23 @@ class _Frame:
         return structure(fn, self.target, block_q, block_k)
 
     def block_spans(self, i0: int, i1: int, lk: int, span: int, dtype: torch.dtype, tiles: Blocks,
-                    split: bool) -> Iterator[_Span]:  # fmt: skip
+                    full_min: int) -> Iterator[_Span]:  # fmt: skip
         """For queries i0:i1 (whole rows of ``tiles``), the key spans to compute from the mask function's
         tile structure: empty tiles never; full ones with no mask function (``split``: as spans of their
-        own, else joined with their partial neighbours); partial ones with it, evaluated on the span."""
+        own when at least ``full_min`` keys wide, else -- and with ``full_min`` 0 always -- joined with their
+        partial neighbours); partial ones with it, evaluated on the span."""
         r0, r1 = i0 // tiles.block_q, -(-i1 // tiles.block_q)
         partial_rows = tiles.allowed[r0:r1] & ~tiles.full[r0:r1]  # (rows, nk)
         allowed, full = tiles.allowed[r0:r1].any(0), tiles.full[r0:r1].all(0)  # (nk,) for the whole block
         pure = partial_rows.all(0)  # partial in every row: the inner function alone decides there
         lo, hi = self.key_range(i0, i1, lk)
         bk = tiles.block_k
-        cols = (allowed.byte() + (full & allowed & split).byte()).tolist()  # 0 empty, 1 partial, 2 full
-        start, cur = None, 0
+        cols = (
+            allowed.byte() + (full & allowed & (full_min > 0)).byte()
+        ).tolist()  # 0 empty, 1 partial, 2 full
         c0, c1 = lo // bk, -(-hi // bk)
+        _narrow_full_to_partial(cols, c0, c1, -(-full_min // bk))
+        start, cur = None, 0
         for c in range(c0, c1 + 1):
             here = cols[c] if c < c1 else 0
             if start is not None and (here != cur or (c - start) * bk >= span or here == 0):
@@ -376,6 +398,22 @@ class _Frame:
         if bound is not None:  # global key indices -> local
             lo, hi = max(lo, bound[0] - self.k0), min(hi, bound[1] - self.k0)
         return lo, max(lo, hi)
+
+
+def _narrow_full_to_partial(cols: list[int], c0: int, c1: int, least: int) -> None:
+    """Full runs of fewer than ``least`` tiles among ``cols[c0:c1]`` become partial, in place: a kernel call
+    of its own and a log-sum-exp merge cost more than masking a few tiles with their neighbours."""
+    c = c0
+    while c < c1:
+        if cols[c] != 2:
+            c += 1
+            continue
+        end = c
+        while end < c1 and cols[end] == 2:
+            end += 1
+        if end - c < least:
+            cols[c:end] = [1] * (end - c)
+        c = end
 
 
 def _joined(pieces: list[tuple[int, Tensor | None]]) -> Tensor | None:

@@ -137,6 +137,9 @@ class BlockedBackend:
         blocks: list[Tensor] = []
         tiles = frame.structure(self.block_q, self.block_k)  # which tiles are empty, partial, full
         step = self.block_q if tiles is None else tiles.block_q * max(1, self.block_q // tiles.block_q)
+        fn = call.masks.mask_fn
+        if tiles is not None and isinstance(fn, BlockMaskFunction) and fn.inner is not fn:
+            step = tiles.block_q  # one row of a BlockMask's blocks: its mask_mod alone decides inside
         for i0 in range(0, lq, step):
             i1 = min(lq, i0 + step)
             n = i1 - i0

@@ -9,7 +9,8 @@ FLOPs of one call (:func:`flops`), counting a multiply-add as 2:
   tokens (``2*B*L*E*3E`` for plain multi-head self-attention) plus ``2*B*Lq*E*E`` for the output;
 * attention: ``4*B*H*D`` per visible (query, key) pair: ``Lq*Lk`` pairs, or with ``causal`` (bottom-right
   aligned) ``Lq*Lk - Lq*(Lq-1)/2``; a ragged batch counts each sequence's pairs (what is useful: the
-  padded contender does more), a causal sliding window of W keys ``sum_i min(i + 1, W)``;
+  padded contender does more), a causal sliding window of W keys ``sum_i min(i + 1, W)``, a mask case
+  the pairs its mask allows (:func:`multihead.bench.masks.visible_pairs`);
 * forward + backward: 3x the projections (two matmuls per matmul in backward) and 3.5x the attention
   (flash-attention's convention: the backward recomputes the scores, 2.5x the forward).
 """
@@ -158,7 +159,11 @@ def flops(case: Case) -> float:
     b, lq, lk, e, h = case.batch, case.lq, case.lk, case.embed_dim, case.heads
     hkv, d = case.kv_heads or h, e // h
     pairs = lq * lk - (lq * (lq - 1) // 2 if case.causal else 0)
-    if case.lengths:
+    if case.mask:  # a mask case: the pairs its mask allows
+        from .masks import visible_pairs
+
+        pairs = visible_pairs(case.mask, lk)
+    elif case.lengths:
         b, pairs = 1, sum(n * n - (n * (n - 1) // 2 if case.causal else 0) for n in case.lengths)
     elif case.window:  # causal window of W keys: query i sees min(i + 1, W) of them (Lq = Lk)
         w = min(case.window, lq)

@@ -9,6 +9,7 @@ and for documents the segment ids. Every form allows exactly the same (query, ke
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable
 from typing import NamedTuple
@@ -18,7 +19,7 @@ from torch import Tensor
 
 from ..core.masks import chunked_fn, prefix_lm_fn, sliding_window_fn
 
-__all__ = ["KINDS", "MaskKind", "document_ids", "mask_of"]
+__all__ = ["KINDS", "MaskKind", "document_ids", "mask_of", "visible_pairs"]
 
 MaskFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 WINDOW, CHUNK = 512, 512
@@ -89,3 +90,15 @@ def mask_of(kind: str, form: str, length: int) -> dict[str, object]:
 
         return {"mask": create_block_mask(k.plain(length), None, None, length, length, device="cpu")}
     return {"mask": k.plain(length)}
+
+
+@functools.cache
+def visible_pairs(kind: str, length: int) -> int:
+    """How many (query, key) pairs mask ``kind`` allows at length L (counted on rows of 256 queries at a
+    time: never an (L, L) tensor)."""
+    fn, total = KINDS[kind].plain(length), 0
+    keys = torch.arange(length).view(1, -1)  # (1, L)
+    for start in range(0, length, 256):
+        rows = torch.arange(start, min(length, start + 256)).view(-1, 1)  # (n, 1)
+        total += int(fn(torch.zeros(()), torch.zeros(()), rows, keys).sum())
+    return total

@@ -31,6 +31,7 @@ Equals, for each query i of batch row b and head h (the dense formula, never for
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import NamedTuple
@@ -143,14 +144,12 @@ class BlockedBackend:
         for i0 in range(0, lq, step):
             i1 = min(lq, i0 + step)
             n = i1 - i0
-            if tiles is None:  # no structure: the mask is probed tile by tile
-                spans = list(frame.spans(i0, i1, lk, self.span_k, q.dtype))  # [_Span]
-            else:  # full tiles apart (no mask) where their log-sum-exp is merged; together under autograd
-                spans = list(
-                    frame.block_spans(
-                        i0, i1, lk, self.span_k, q.dtype, tiles, self.full_min if not grad else 0
-                    )
-                )
+            with _serial():  # the masks' ops, serially
+                if tiles is None:  # no structure: the mask is probed tile by tile
+                    spans = list(frame.spans(i0, i1, lk, self.span_k, q.dtype))  # [_Span]
+                else:  # full tiles apart (no mask) where their log-sum-exp is merged; together under autograd
+                    full_min = self.full_min if not grad else 0
+                    spans = list(frame.block_spans(i0, i1, lk, self.span_k, q.dtype, tiles, full_min))
             if softcap is None and (not grad or (len(spans) == 1 and sinks is None)):
                 qg = q[:, :, i0:i1].reshape(b, hkv, g * n, dk)  # (Bs, Hkv, G*n, Dk), heads stacked
                 block = _fused(qg, k, v, spans, i0, i1, call.scale, sinks, h, grad)
@@ -174,7 +173,8 @@ class BlockedBackend:
                     state.add(s, v[:, :, j0:j1], g, grad)
                 block = state.finish()  # (Bs, H, n, Dv)
             if out is not None:
-                out[:, :, i0:i1] = block
+                with _serial():
+                    out[:, :, i0:i1] = block
             else:
                 blocks.append(block)
         if out is not None:
@@ -437,6 +437,21 @@ def _joined(pieces: list[tuple[int, Tensor | None]]) -> Tensor | None:
 # ----------------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _serial() -> Iterator[None]:
+    """One torch thread inside: a tile's mask ops (a few hundred thousand elements each) are cheaper run
+    serially than as parallel regions that wait for the other threads (on a busy machine, by far)."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _fused(qg: Tensor, k: Tensor, v: Tensor, spans: list[_Span], i0: int, i1: int, scale: float,
            sinks: Tensor | None, h: int, grad: bool) -> Tensor:  # fmt: skip
     """One block of grouped queries qg (Bs, Hkv, G*n, Dk) over its spans, each through PyTorch's fused
@@ -450,8 +465,11 @@ def _fused(qg: Tensor, k: Tensor, v: Tensor, spans: list[_Span], i0: int, i1: in
     acc: Tensor | None = None
     lse: Tensor | None = None
     for j0, j1, keep, bias in spans:
-        keep, bias, row_ok = open_dead_rows(keep, bias)  # rows that see nothing here: re-opened, zeroed below
-        mask = attn_mask(keep, bias, qg.dtype)  # the bias (or 0) where allowed, -inf elsewhere
+        with _serial():
+            keep, bias, row_ok = open_dead_rows(
+                keep, bias
+            )  # rows that see nothing here: re-opened, zeroed below
+            mask = attn_mask(keep, bias, qg.dtype)  # the bias (or 0) where allowed, -inf elsewhere
         if mask is not None:
             mask = group_mask(mask.expand(*mask.shape[:3], j1 - j0), h, hkv, n)  # (Bs|1, Hkv|1, G*n|1, w)
         kt, vt = k[:, :, j0:j1], v[:, :, j0:j1]  # (Bs, Hkv, w, D)
@@ -475,9 +493,10 @@ def _fused(qg: Tensor, k: Tensor, v: Tensor, spans: list[_Span], i0: int, i1: in
 
 def _join(acc: Tensor, lse: Tensor, o: Tensor, part: Tensor) -> tuple[Tensor, Tensor]:
     """Two normalised partial outputs (Bs, H, n, Dv) with their log-sum-exps (Bs, H, n, 1) -> one."""
-    total = torch.logaddexp(lse, part)  # (Bs, H, n, 1)
-    shift = total.masked_fill(torch.isneginf(total), 0.0)  # rows with nothing so far stay 0
-    return acc * torch.exp(lse - shift) + o * torch.exp(part - shift), total
+    with _serial():
+        total = torch.logaddexp(lse, part)  # (Bs, H, n, 1)
+        shift = total.masked_fill(torch.isneginf(total), 0.0)  # rows with nothing so far stay 0
+        return acc * torch.exp(lse - shift) + o * torch.exp(part - shift), total
 
 
 # ----------------------------------------------------------------------------------------------

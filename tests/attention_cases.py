@@ -6,6 +6,7 @@ Dimensions: B batch, H heads, Hkv kv heads, Lq/Lk lengths, Dk/Dv head dims.
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import multihead as mh
 
@@ -64,3 +65,18 @@ def mask_kwargs(kind, b, h, lq, lk, seed=1, bias_dtype=torch.float32):
             "causal": True,
         }
     raise AssertionError(kind)
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the largest number of elements of any tensor an op creates (``with LargestTensor() as seen``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out

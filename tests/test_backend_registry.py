@@ -10,6 +10,7 @@ import torch
 
 import multihead as mh
 from multihead.core import backends
+from multihead.core.attention import prepare
 
 
 class _Echo:
@@ -106,3 +107,34 @@ def test_a_refusing_user_backend_is_skipped(registry):
     mh.attention(q, k, v, return_weights=True)  # math serves
     assert echo.calls == 0
     assert "echo is switched off" in mh.core.explain_backends(q, k, v)["echo"][0]
+
+
+class _Deferring(_Echo):
+    """A backend that serves every weights call but defers it to ``to`` (auto routing only)."""
+
+    def __init__(self, name, to):
+        super().__init__(name)
+        self.to = to
+
+    def defers(self, call):
+        return backends.Deferral(self.to, f"{self.to} serves it for less")
+
+
+@pytest.mark.parametrize("target_serves", [True, False])
+def test_a_deferral_goes_to_the_named_backend_only_when_it_can_serve(registry, target_serves):
+    first = registry.register(_Deferring("first", to="second"), before="math")
+    second = registry.register(_Echo("second", serves=target_serves), auto=False)  # not in the auto order
+    q, k, v = _qkv()
+    mh.attention(q, k, v, return_weights=True)
+    assert (second.calls, first.calls) == ((1, 0) if target_serves else (0, 1))
+    mh.attention(q, k, v, return_weights=True, backend="first")  # named: served, no deferral
+    assert first.calls == (1 if target_serves else 2)
+
+
+def test_sdpa_defers_packed_cpu_batches_to_blocked_and_keeps_what_blocked_cannot_serve():
+    ids = torch.tensor([[0] * 8 + [1] * 8 + [2] * 8])
+    q, k, v = (torch.randn(1, 2, 24, 8) for _ in range(3))
+    call = prepare(q, k, v, segment_ids=ids)
+    assert backends.select(call).name == "blocked"
+    half = prepare(*(t.half() for t in (q, k, v)), segment_ids=ids)
+    assert backends.select(half).name == "sdpa"  # blocked has no float16: sdpa keeps it

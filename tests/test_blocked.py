@@ -14,7 +14,7 @@ import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from attention_cases import LargestTensor
 
 import multihead as mh
 from multihead.core import backends, masks
@@ -343,21 +343,6 @@ def test_tiles_beyond_the_window_are_never_computed_nor_evaluated_past_the_diago
     assert all(q0 - k0 < w + blk and k1 <= q1 for q0, q1, k0, k1 in computed)
 
 
-class _LargestTensor(TorchDispatchMode):
-    """Records the largest number of elements of any tensor an op creates."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "autograd"])
 @pytest.mark.parametrize("path", ["tiled", "varlen"])
 def test_no_tensor_of_the_scores_size(path, grad):
@@ -370,7 +355,7 @@ def test_no_tensor_of_the_scores_size(path, grad):
         if path == "tiled"
         else dict(segments=(_packed([75, 125, 56]),) * 2)
     )
-    with torch.set_grad_enabled(grad), _LargestTensor() as seen:
+    with torch.set_grad_enabled(grad), LargestTensor() as seen:
         out = _run(BlockedBackend(block_q=32, span_k=128), q, k, v, **kwargs)
         if grad:
             out.sum().backward()
@@ -507,7 +492,7 @@ def test_auto_sends_small_packed_cpu_batches_to_blocked():
     call = AttentionCall(q, k, v, mh.masks.normalize((1, 4, 128, 128), segment_ids=ids, causal=True),
                          8**-0.5, 0.0, False)  # fmt: skip
     assert backends.select(call).name == "blocked"
-    assert "packed segment ids on CPU" in backends.get("sdpa").defers(call)
+    assert "packed segment ids on CPU" in backends.get("sdpa").defers(call).reason
     want = mh.attention_reference(q, k, v, segment_ids=ids, causal=True)
     for name in ("auto", "sdpa"):
         got = mh.attention(q, k, v, segment_ids=ids, causal=True, backend=name)

@@ -12,6 +12,7 @@ import importlib.util
 import re
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
@@ -78,7 +79,10 @@ def test_page_runs(page, tmp_path, monkeypatch):
         pytest.skip(f"{page} needs {missing} (not installed)")
     monkeypatch.setenv("KERAS_BACKEND", "torch")  # only matters if Keras is not imported yet
     monkeypatch.chdir(tmp_path)  # files a page writes (an .onnx export, a plot) land here
-    namespace = {"__name__": f"docs.{PAGES[page].stem}"}
+    # the page is an importable module while it runs: torch's compiler looks a function's module up
+    page_module = types.ModuleType(f"docs.{PAGES[page].stem}")
+    monkeypatch.setitem(sys.modules, page_module.__name__, page_module)
+    namespace = page_module.__dict__
     for line, code in blocks:
         needs = imported_packages([(line, code)])
         vision = needs & {"torchvision", "open_clip"}  # requirements-vision.txt, a folder of their own

@@ -231,7 +231,7 @@ def test_alibi_slopes():
         (dict(bias=lambda b, h, i, j: j >= i), ValueError, "floating-point tensor"),
         (dict(mask=lambda b, h, i, j: True), ValueError, "must return a torch.Tensor"),
         (dict(mask=lambda b, h, i, j: torch.ones(5, 7, dtype=torch.bool)), ValueError, "elementwise"),
-        (dict(mask=3), TypeError, "or a function"),
+        (dict(mask=3), TypeError, "a function"),
         (dict(bias="alibi"), TypeError, "or a function"),
     ],
 )

@@ -9,7 +9,8 @@ FLOPs of one call (:func:`flops`), counting a multiply-add as 2:
   tokens (``2*B*L*E*3E`` for plain multi-head self-attention) plus ``2*B*Lq*E*E`` for the output;
 * attention: ``4*B*H*D`` per visible (query, key) pair: ``Lq*Lk`` pairs, or with ``causal`` (bottom-right
   aligned) ``Lq*Lk - Lq*(Lq-1)/2``; a ragged batch counts each sequence's pairs (what is useful: the
-  padded contender does more), a causal sliding window of W keys ``sum_i min(i + 1, W)``;
+  padded contender does more), a causal sliding window of W keys ``sum_i min(i + 1, W)``, a mask case
+  the pairs its mask allows (:func:`multihead.bench.masks.visible_pairs`);
 * forward + backward: 3x the projections (two matmuls per matmul in backward) and 3.5x the attention
   (flash-attention's convention: the backward recomputes the scores, 2.5x the forward).
 """
@@ -95,6 +96,10 @@ class Case:
     lengths: tuple[int, ...] = ()
     window: int | None = None
     window_form: str = "library"  # the window's mask function: "library" (sliding_window_fn) or "lambda"
+    mask: str | None = None  # a mask case: a kind of multihead.bench.masks.KINDS
+    mask_form: str = (
+        "lambda"  # how it is given: "lambda", "library", "segments", "blockmask" ("rebuilt": flex)
+    )
     rounds: int | None = None
     runs: tuple[Run, ...] = ()
     targets: tuple[Target, ...] = ()
@@ -154,7 +159,11 @@ def flops(case: Case) -> float:
     b, lq, lk, e, h = case.batch, case.lq, case.lk, case.embed_dim, case.heads
     hkv, d = case.kv_heads or h, e // h
     pairs = lq * lk - (lq * (lq - 1) // 2 if case.causal else 0)
-    if case.lengths:
+    if case.mask:  # a mask case: the pairs its mask allows
+        from .masks import visible_pairs
+
+        pairs = visible_pairs(case.mask, lk)
+    elif case.lengths:
         b, pairs = 1, sum(n * n - (n * (n - 1) // 2 if case.causal else 0) for n in case.lengths)
     elif case.window:  # causal window of W keys: query i sees min(i + 1, W) of them (Lq = Lk)
         w = min(case.window, lq)
@@ -219,7 +228,45 @@ def _modern_cases(quick: bool) -> list[Case]:
                   runs=(row(OURS), row(OURS, window_form="lambda"), row(OURS, window=None, causal=False)),
                   targets=(Target("time", f"{OURS}@window=None@causal=False", "<=", 0.2),
                            Target("memory", f"{OURS}@window=None@causal=False", "<=", 1.2)))  # fmt: skip
-    return [*ragged, window]
+    two_sided = Case(f"two-sided window {w} as a lambda", 1, n, e, 8, level="attention", mask="two-sided window",
+                     rounds=None if quick else 7, yardstick=False,
+                     runs=(row(OURS), row(OURS, mask=None)),
+                     targets=(Target("time", f"{OURS}@mask=None", "<=", 0.2),
+                              Target("memory", f"{OURS}@mask=None", "<=", 1.2)))  # fmt: skip
+    return [*ragged, window, two_sided]
+
+
+def _flex_cases(quick: bool) -> list[Case]:
+    """Masks as FlexAttention users hold them, against ``torch.compile(flex_attention)`` with the BlockMask
+    built once (and rebuilt on every call): plain lambdas, documents as segment ids and as a mask_mod, a
+    BlockMask passed straight in; and a plain lambda's forward+backward against SDPA's dense bool mask."""
+    e = 32 if quick else 512
+    forms = {
+        "two-sided window": ("lambda", "library"),
+        "causal window": ("lambda", "library"),
+        "prefix-LM": ("lambda", "library"),
+        "chunked": ("lambda", "library"),
+        "documents": ("segments", "lambda"),
+    }
+    cases = []
+    for n in (64,) if quick else (4096, 16384):
+        for kind, (form, other) in forms.items():
+            runs = (row(OURS), row(OURS, mask_form=other), row("flex"), row("flex", mask_form="rebuilt"))
+            targets = [Target("time", "flex", "<=", 1.0), Target("time", "flex@mask_form=rebuilt", "<=", 0.8)]
+            if other == "library":
+                targets.append(Target("time", f"{OURS}@mask_form=library", "<=", 1.2))
+            cases.append(Case(f"flex: {kind} ({form}) L={n}", 1, n, e, 8, level="attention", mask=kind,
+                              mask_form=form, yardstick=False, rounds=None if quick else 5,
+                              runs=runs, targets=tuple(targets)))  # fmt: skip
+        cases.append(Case(f"flex: causal window (BlockMask) L={n}", 1, n, e, 8, level="attention",
+                          mask="causal window", mask_form="blockmask", yardstick=False,
+                          rounds=None if quick else 5, runs=(row(OURS), row("flex")),
+                          targets=(Target("time", "flex", "<=", 1.0),)))  # fmt: skip
+    n = 64 if quick else 4096
+    cases.append(Case(f"flex: causal window (lambda) forward+backward L={n}", 1, n, e, 8, level="attention",
+                      mode="train", mask="causal window", yardstick=False, rounds=None if quick else 5,
+                      runs=(row(OURS), row("sdpa")), targets=(Target("time", "sdpa", "<=", 0.35),)))  # fmt: skip
+    return cases
 
 
 def cpu_suite(quick: bool = False) -> Suite:
@@ -256,7 +303,7 @@ def cpu_suite(quick: bool = False) -> Suite:
                 mode="train", level="attention", own_process=True, subject="ring",
                 runs=(row("ring"), row(OURS)),
                 targets=(Target("time", OURS, "<=", 1.3), Target("memory", OURS, "<=", 1.5)))  # fmt: skip
-    return Suite([*cases, *decode, ring, *_modern_cases(quick)], [sweep])
+    return Suite([*cases, *decode, ring, *_modern_cases(quick), *_flex_cases(quick)], [sweep])
 
 
 def cuda_suite(quick: bool = False) -> Suite:

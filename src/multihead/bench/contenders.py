@@ -12,7 +12,10 @@ step puts its cache back to the case's length there). Contenders (:data:`CONTEND
 * ``torch``: ``torch.nn.MultiheadAttention`` (its native fast path in eval under no grad);
 * ``naive``: the seed notebooks' attention (three ``Linear``s, matmul, softmax, matmul);
 * ``keras``: ``keras.layers.MultiHeadAttention`` on the torch backend (optional);
-* ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` (attention);
+* ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` (attention; a mask case: with the mask
+  as a dense bool tensor);
+* ``flex``: ``torch.compile(flex_attention)`` with the mask case's BlockMask built once (or, with
+  ``mask_form="rebuilt"``, on every call);
 * ``bare``: the bare work of a decoding step: QKV projection of the new token, its keys/values written
   into one preallocated buffer, fused attention over the buffer, output projection;
 * ``ring``: :func:`multihead.distributed.ring_attention` (needs a process group: the case runs in its
@@ -35,10 +38,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..core.attention import attention
-from ..core.masks import sliding_window_fn
+from ..core.masks import evaluate_fn, sliding_window_fn
 from ..nn.attention import MultiHeadAttention, merge_heads, split_heads
 from ..nn.cache import KVCache
 from .cases import Case
+from .masks import KINDS, mask_of
 
 __all__ = [
     "CONTENDERS",
@@ -239,6 +243,9 @@ def window_function(w: int, form: str = "lambda") -> Callable[[Tensor, Tensor, T
 
 def _ours_attention(case: Case, device: torch.device) -> Step:
     q, k, v = _qkv(case, device)
+    if case.mask:  # a mask case: the mask as the case's form gives it (lambda, library, segments, BlockMask)
+        kw = mask_of(case.mask, case.mask_form, case.length)
+        return _step(lambda: attention(q, k, v, **kw), case, [q, k, v])  # type: ignore[arg-type]
     if case.window:  # a mask function: the call's cost follows the window, not L*L
         fn = window_function(case.window, case.window_form)
         return _step(lambda: attention(q, k, v, mask=fn, causal=case.causal), case, [q, k, v])  # type: ignore[arg-type]
@@ -287,11 +294,35 @@ def _padded_attention(case: Case, device: torch.device) -> Step:
 def _sdpa_attention(case: Case, device: torch.device) -> Step:
     q, k, v = _qkv(case, device)
     gqa = k.shape[1] != q.shape[1]
+    dense = None
+    if case.mask:  # the equivalent dense bool mask (L, L), built once
+        dense = evaluate_fn(KINDS[case.mask].plain(case.length), (1, 1, case.length, case.length), "mask")
     return _step(
-        lambda: F.scaled_dot_product_attention(q, k, v, is_causal=case.causal, enable_gqa=gqa),
+        lambda: F.scaled_dot_product_attention(
+            q, k, v, attn_mask=dense, is_causal=case.causal and dense is None, enable_gqa=gqa
+        ),
         case,
         [q, k, v],
     )
+
+
+def _flex_attention(case: Case, device: torch.device) -> Step:
+    """``torch.compile(flex_attention)`` with the case's mask as a BlockMask, built once (``mask_form``
+    "rebuilt": built again on every call, inside the timed call)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    q, k, v = _qkv(case, device)
+    fn = KINDS[case.mask].plain(case.length) if case.mask else None
+    run = torch.compile(flex_attention, dynamic=False)
+    n = case.length
+
+    def blocks() -> object:
+        return None if fn is None else create_block_mask(fn, None, None, n, n, device=device.type)
+
+    built = blocks()
+    if case.mask_form == "rebuilt":
+        return _step(lambda: run(q, k, v, block_mask=blocks()), case, [q, k, v])
+    return _step(lambda: run(q, k, v, block_mask=built), case, [q, k, v])
 
 
 def _naive_attention(case: Case, device: torch.device) -> Step:
@@ -381,6 +412,7 @@ CONTENDERS: dict[tuple[str, str], Contender] = {
     ("keras", "module"): Contender(_keras_module, _always),
     ("multihead", "attention"): Contender(_ours_attention, _when_weights),
     ("sdpa", "attention"): Contender(_sdpa_attention, _never),
+    ("flex", "attention"): Contender(_flex_attention, _never),
     ("naive", "attention"): Contender(_naive_attention, _always),
     ("ring", "attention"): Contender(_ring_attention, _never),
     ("packed", "attention"): Contender(_packed_attention, _never),

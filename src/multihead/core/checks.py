@@ -130,7 +130,8 @@ def check_mask(mask: Tensor, target: tuple[int, int, int, int], name: str = "mas
     """Check a bool ``mask`` broadcasts to ``target`` (B, H, Lq, Lk); return it as a 4-D view."""
     if not isinstance(mask, Tensor):
         raise TypeError(
-            f"{name} must be a bool torch.Tensor or a function fn(b, h, q_idx, kv_idx) -> bool tensor, got "
+            f"{name} must be a bool torch.Tensor, a function fn(b, h, q_idx, kv_idx) -> bool tensor or a "
+            f"FlexAttention BlockMask, got "
             f"{type(mask).__name__}"
         )
     if mask.dtype != torch.bool:

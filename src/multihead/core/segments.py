@@ -31,10 +31,12 @@ from .checks import is_int
 
 __all__ = [
     "Packed",
+    "Run",
     "Place",
     "Runs",
     "ids_from_lengths",
     "pack",
+    "packed_runs",
     "segment_positions",
     "segment_runs",
     "unpack",
@@ -205,3 +207,33 @@ def segment_positions(ids: Tensor) -> Tensor:
     idx = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)  # (B, L)
     run_start = torch.where(_run_starts(ids), idx, 0).cummax(dim=1).values  # (B, L)
     return idx - run_start
+
+
+Run = tuple[int, int, int, int]
+"""(q start, q end, k start, k end) of one packed sequence in a row."""
+
+
+def _runs(ids: Tensor) -> list[dict[int, tuple[int, int]]] | None:
+    """Per row of ids (B, L): {id: (start, end)} of the runs of equal non-negative ids
+    (:func:`segment_runs`), or ``None`` if some id has two runs in a row (not the
+    packed layout)."""
+    rows: list[dict[int, tuple[int, int]]] = [{} for _ in range(ids.shape[0])]
+    runs = segment_runs(ids)
+    for row, start, length, value in torch.stack(tuple(runs)).T.tolist():  # one host sync
+        if value in rows[row]:
+            return None
+        rows[row][value] = (start, start + length)
+    return rows
+
+
+def packed_runs(q_ids: Tensor, kv_ids: Tensor) -> list[list[Run]] | None:
+    """For segment ids q_ids (B, Lq), kv_ids (B, Lk): per batch row, the (q start, q end, k start, k end)
+    of every id present on both sides, in query order; ``None`` unless every id forms one contiguous run
+    on each side (the packed layout). Negative ids (padding) form no run."""
+    qr, kr = _runs(q_ids), _runs(kv_ids)
+    if qr is None or kr is None:
+        return None
+    return [
+        sorted((qs, qe, *krow[i]) for i, (qs, qe) in qrow.items() if i in krow)
+        for qrow, krow in zip(qr, kr, strict=True)
+    ]

@@ -16,12 +16,13 @@ from . import blocked as _blocked
 from . import flex as _flex
 from . import math as _math
 from . import sdpa as _sdpa
-from .base import AttentionCall, Backend
+from .base import AttentionCall, Backend, Deferral
 
 __all__ = [
     "AUTO_ORDER",
     "AttentionCall",
     "Backend",
+    "Deferral",
     "available",
     "explain",
     "get",
@@ -117,11 +118,15 @@ def _serves(backend: Backend, call: AttentionCall) -> bool:
     return True
 
 
-def _keeps(backend: Backend, call: AttentionCall) -> bool:
-    """Whether ``backend`` keeps an auto-routed call it can serve: an optional ``defers(call)`` names a
-    reason to leave it to a later backend of the auto order (an explicit ``backend=`` still serves)."""
+def _deferred(backend: Backend, call: AttentionCall) -> Backend:
+    """The backend that serves an auto-routed call ``backend`` can serve: itself, or the registered one its
+    optional ``defers(call)`` names (:class:`~.base.Deferral`), when that one can serve the call."""
     defers = getattr(backend, "defers", None)
-    return defers is None or defers(call) is None
+    deferral = None if defers is None else defers(call)
+    if deferral is None or deferral.to not in _REGISTRY:
+        return backend
+    other = _REGISTRY[deferral.to]
+    return other if _serves(other, call) else backend
 
 
 def select(call: AttentionCall, name: str = "auto") -> Backend:
@@ -129,8 +134,8 @@ def select(call: AttentionCall, name: str = "auto") -> Backend:
     if name == "auto":
         for candidate in AUTO_ORDER:
             backend = _REGISTRY[candidate]
-            if _serves(backend, call) and _keeps(backend, call):
-                return backend
+            if _serves(backend, call):
+                return _deferred(backend, call)
         raise RuntimeError(f"no backend can serve this call: {explain(call)}")  # math serves all
     backend = get(name)
     reasons = list(backend.why_not(call))

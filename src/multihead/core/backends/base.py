@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from torch import Tensor
 
 from ..masks import Normalized
 
-__all__ = ["AttentionCall", "Backend"]
+__all__ = ["AttentionCall", "Backend", "Deferral"]
 
 
 @dataclass
@@ -40,12 +40,25 @@ class AttentionCall:
         return self.q.shape[1] // self.k.shape[1]
 
 
+class Deferral(NamedTuple):
+    """An auto-routed call a backend can serve but leaves to the backend named ``to``, which serves it
+    for less (``reason`` says why). The registry honours it only when ``to`` can serve the call."""
+
+    to: str
+    reason: str
+
+
 class Backend(Protocol):
-    """A backend: ``why_not(call)`` yields every reason it cannot serve ``call`` (none = it can), and
-    ``backend(call)`` returns ``(output (B, H, Lq, Dv), weights (B, H, Lq, Lk) or None)``."""
+    """A backend: ``why_not(call)`` yields every reason it cannot serve ``call`` (none = it can),
+    ``defers(call)`` names a backend that serves an auto-routed call it could serve for less (a
+    :class:`Deferral`, or ``None``: it keeps the call; optional -- a backend without it never defers; an
+    explicit ``backend=`` is served regardless), and ``backend(call)`` returns
+    ``(output (B, H, Lq, Dv), weights (B, H, Lq, Lk) or None)``."""
 
     name: str
 
     def why_not(self, call: AttentionCall) -> Iterable[str]: ...
+
+    def defers(self, call: AttentionCall) -> Deferral | None: ...
 
     def __call__(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]: ...

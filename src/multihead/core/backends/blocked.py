@@ -31,6 +31,7 @@ Equals, for each query i of batch row b and head h (the dense formula, never for
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import NamedTuple
@@ -41,7 +42,8 @@ from torch import Tensor
 
 from ..checks import is_int
 from ..masks import MaskFunction, Normalized, attn_mask, causal, combine, evaluate_block, open_dead_rows
-from ..segments import segment_runs
+from ..masks.blocks import BlockMaskFunction, Blocks, structure
+from ..segments import Run, packed_runs
 from ._common import group_mask, kv_for_cpu_kernel, zero_dead_rows
 from .base import AttentionCall
 
@@ -49,7 +51,6 @@ __all__ = ["BlockedBackend", "packed_runs"]
 
 _DTYPES = (torch.float32, torch.float64)
 PROBE = 16384  # (query, key) pairs of one mask probe: half PyTorch's grain size, so it runs serially
-Run = tuple[int, int, int, int]  # (q start, q end, k start, k end) of one packed sequence
 
 
 class BlockedBackend:
@@ -57,17 +58,40 @@ class BlockedBackend:
     (B, H, block_q, span_k)); ``dense_min_pairs``: the Lq*Lk from which a call whose masks are all
     dense tensors but that has a softcap or sinks comes here rather than to ``math``.
 
-    384 queries a block: each block costs a fused-kernel call and a mask pass, so fewer, larger blocks
-    amortise them; with a 512-key sliding window at L = 16,384 the window call took 0.38x / 0.25x / 0.21x the
-    unmasked call's time at 128 / 256 / 384 (one measurement each, 2 cores, load about 5)."""
+    ``block_k``: the key granularity of the tile structure (empty / partial / full tiles); ``full_min``:
+    the fewest keys a run of full tiles has to run unmasked as a kernel call of its own (narrower runs are
+    masked with their partial neighbours: a call and a log-sum-exp merge cost more than the mask).
+
+    256 queries a block: each block costs a fused-kernel call, so fewer, larger blocks amortise it, while
+    smaller ones compute fewer masked pairs around a band's edges. With the tile structure, plain lambdas
+    at L = 4,096 (H = 8, D = 64, one thread, CPU seconds, machine busy): causal window 512 0.120 / 0.107 /
+    0.103, two-sided 0.186 / 0.176 / 0.185, chunked 0.084 / 0.062 / 0.062 at 384 / 256 / 128 queries a
+    block; prefix-LM 0.282 / 0.283 / 0.322. (Before the structure, by probes: 384 was best.)"""
 
     name = "blocked"
 
-    def __init__(self, *, block_q: int = 384, span_k: int = 2048, dense_min_pairs: int = 1 << 20) -> None:
-        for arg, value in (("block_q", block_q), ("span_k", span_k), ("dense_min_pairs", dense_min_pairs)):
+    def __init__(
+        self,
+        *,
+        block_q: int = 256,
+        span_k: int = 2048,
+        block_k: int = 128,
+        full_min: int = 512,
+        dense_min_pairs: int = 1 << 20,
+    ) -> None:
+        for arg, value in (
+            ("block_q", block_q), ("span_k", span_k), ("block_k", block_k), ("full_min", full_min),
+            ("dense_min_pairs", dense_min_pairs),
+        ):  # fmt: skip
             if not is_int(value, 1):
                 raise ValueError(f"{arg} must be a positive int, got {value!r}")
-        self.block_q, self.span_k, self.dense_min_pairs = block_q, span_k, dense_min_pairs
+        self.full_min = full_min
+        self.block_q, self.span_k, self.block_k, self.dense_min_pairs = (
+            block_q,
+            span_k,
+            block_k,
+            dense_min_pairs,
+        )
 
     def why_not(self, call: AttentionCall) -> Iterator[str]:
         q, m = call.q, call.masks
@@ -112,10 +136,20 @@ class BlockedBackend:
         grad = torch.is_grad_enabled()  # out of place (autograd) or in place (inference)
         out = None if grad else q.new_empty(b, h, lq, dv)  # (Bs, H, Lq', Dv)
         blocks: list[Tensor] = []
-        for i0 in range(0, lq, self.block_q):
-            i1 = min(lq, i0 + self.block_q)
+        tiles = frame.structure(self.block_q, self.block_k)  # which tiles are empty, partial, full
+        step = self.block_q if tiles is None else tiles.block_q * max(1, self.block_q // tiles.block_q)
+        fn = call.masks.mask_fn
+        if tiles is not None and isinstance(fn, BlockMaskFunction) and fn.inner is not fn:
+            step = tiles.block_q  # one row of a BlockMask's blocks: its mask_mod alone decides inside
+        for i0 in range(0, lq, step):
+            i1 = min(lq, i0 + step)
             n = i1 - i0
-            spans = list(frame.spans(i0, i1, lk, self.span_k, q.dtype))  # [_Span]
+            with _serial():  # the masks' ops, serially
+                if tiles is None:  # no structure: the mask is probed tile by tile
+                    spans = list(frame.spans(i0, i1, lk, self.span_k, q.dtype))  # [_Span]
+                else:  # full tiles apart (no mask) where their log-sum-exp is merged; together under autograd
+                    full_min = self.full_min if not grad else 0
+                    spans = list(frame.block_spans(i0, i1, lk, self.span_k, q.dtype, tiles, full_min))
             if softcap is None and (not grad or (len(spans) == 1 and sinks is None)):
                 qg = q[:, :, i0:i1].reshape(b, hkv, g * n, dk)  # (Bs, Hkv, G*n, Dk), heads stacked
                 block = _fused(qg, k, v, spans, i0, i1, call.scale, sinks, h, grad)
@@ -139,7 +173,8 @@ class BlockedBackend:
                     state.add(s, v[:, :, j0:j1], g, grad)
                 block = state.finish()  # (Bs, H, n, Dv)
             if out is not None:
-                out[:, :, i0:i1] = block
+                with _serial():
+                    out[:, :, i0:i1] = block
             else:
                 blocks.append(block)
         if out is not None:
@@ -202,32 +237,6 @@ class BlockedBackend:
 # ----------------------------------------------------------------------------------------------
 # Packed runs
 # ----------------------------------------------------------------------------------------------
-
-
-def _runs(ids: Tensor) -> list[dict[int, tuple[int, int]]] | None:
-    """Per row of ids (B, L): {id: (start, end)} of the runs of equal non-negative ids
-    (:func:`multihead.segments.segment_runs`), or ``None`` if some id has two runs in a row (not the
-    packed layout)."""
-    rows: list[dict[int, tuple[int, int]]] = [{} for _ in range(ids.shape[0])]
-    runs = segment_runs(ids)
-    for row, start, length, value in torch.stack(tuple(runs)).T.tolist():  # one host sync
-        if value in rows[row]:
-            return None
-        rows[row][value] = (start, start + length)
-    return rows
-
-
-def packed_runs(q_ids: Tensor, kv_ids: Tensor) -> list[list[Run]] | None:
-    """For segment ids q_ids (B, Lq), kv_ids (B, Lk): per batch row, the (q start, q end, k start, k end)
-    of every id present on both sides, in query order; ``None`` unless every id forms one contiguous run
-    on each side (the packed layout). Negative ids (padding) form no run."""
-    qr, kr = _runs(q_ids), _runs(kv_ids)
-    if qr is None or kr is None:
-        return None
-    return [
-        sorted((qs, qe, *krow[i]) for i, (qs, qe) in qrow.items() if i in krow)
-        for qrow, krow in zip(qr, kr, strict=True)
-    ]
 
 
 def _cuts(spans: list[tuple[int, int]], length: int) -> tuple[list[int], list[int]]:
@@ -338,6 +347,51 @@ class _Frame:
         (evaluated on the span's keys only)."""
         return _Span(j0, j1, _joined(pieces), self.tile(i0, i1, j0, j1, dtype, keep=False)[1])
 
+    def structure(self, block_q: int, block_k: int) -> Blocks | None:
+        """The mask function's tile structure (:func:`multihead.core.masks.blocks.structure`) for a frame of
+        the whole call, or ``None`` (no mask function, a packed run, or a function that cannot be bounded)."""
+        fn = self.m.mask_fn
+        if fn is None or self.q0 or self.k0 or self.b0 or self.b1 != self.target[0]:
+            return None
+        return structure(fn, self.target, block_q, block_k)
+
+    def block_spans(self, i0: int, i1: int, lk: int, span: int, dtype: torch.dtype, tiles: Blocks,
+                    full_min: int) -> Iterator[_Span]:  # fmt: skip
+        """For queries i0:i1 (whole rows of ``tiles``), the key spans to compute from the mask function's
+        tile structure: empty tiles never; full ones with no mask function (``split``: as spans of their
+        own when at least ``full_min`` keys wide, else -- and with ``full_min`` 0 always -- joined with their
+        partial neighbours); partial ones with it, evaluated on the span."""
+        r0, r1 = i0 // tiles.block_q, -(-i1 // tiles.block_q)
+        partial_rows = tiles.allowed[r0:r1] & ~tiles.full[r0:r1]  # (rows, nk)
+        allowed, full = tiles.allowed[r0:r1].any(0), tiles.full[r0:r1].all(0)  # (nk,) for the whole block
+        pure = partial_rows.all(0)  # partial in every row: the inner function alone decides there
+        lo, hi = self.key_range(i0, i1, lk)
+        bk = tiles.block_k
+        cols = (
+            allowed.byte() + (full & allowed & (full_min > 0)).byte()
+        ).tolist()  # 0 empty, 1 partial, 2 full
+        c0, c1 = lo // bk, -(-hi // bk)
+        _narrow_full_to_partial(cols, c0, c1, -(-full_min // bk))
+        start, cur = None, 0
+        for c in range(c0, c1 + 1):
+            here = cols[c] if c < c1 else 0
+            if start is not None and (here != cur or (c - start) * bk >= span or here == 0):
+                yield self._block_span(i0, i1, max(lo, start * bk), min(hi, c * bk), dtype, cur == 2,
+                                       bool(pure[start:c].all()))  # fmt: skip
+                start = None
+            if start is None and here:
+                start, cur = c, here
+
+    def _block_span(self, i0: int, i1: int, j0: int, j1: int, dtype: torch.dtype, full: bool,
+                    pure: bool) -> _Span:  # fmt: skip
+        """One span of a structured block: the mask function left out on full tiles, its inner function
+        used where every tile is partial in every row (a BlockMask's mask_mod), the whole function else."""
+        fn = self.m.mask_fn
+        inner = fn.inner if isinstance(fn, BlockMaskFunction) and pure else fn
+        frame = replace(self, m=replace(self.m, mask_fn=None if full else inner))
+        keep, bias = frame.tile(i0, i1, j0, j1, dtype)
+        return _Span(j0, j1, keep, bias)
+
     def key_range(self, i0: int, i1: int, lk: int) -> tuple[int, int]:
         """Local keys lo:hi outside which queries i0:i1 see nothing: the causal diagonal and the mask
         function's own key range (:meth:`multihead.masks.MaskFunction.key_range`), when it has one."""
@@ -347,6 +401,22 @@ class _Frame:
         if bound is not None:  # global key indices -> local
             lo, hi = max(lo, bound[0] - self.k0), min(hi, bound[1] - self.k0)
         return lo, max(lo, hi)
+
+
+def _narrow_full_to_partial(cols: list[int], c0: int, c1: int, least: int) -> None:
+    """Full runs of fewer than ``least`` tiles among ``cols[c0:c1]`` become partial, in place: a kernel call
+    of its own and a log-sum-exp merge cost more than masking a few tiles with their neighbours."""
+    c = c0
+    while c < c1:
+        if cols[c] != 2:
+            c += 1
+            continue
+        end = c
+        while end < c1 and cols[end] == 2:
+            end += 1
+        if end - c < least:
+            cols[c:end] = [1] * (end - c)
+        c = end
 
 
 def _joined(pieces: list[tuple[int, Tensor | None]]) -> Tensor | None:
@@ -367,6 +437,21 @@ def _joined(pieces: list[tuple[int, Tensor | None]]) -> Tensor | None:
 # ----------------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _serial() -> Iterator[None]:
+    """One torch thread inside: a tile's mask ops (a few hundred thousand elements each) are cheaper run
+    serially than as parallel regions that wait for the other threads (on a busy machine, by far)."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _fused(qg: Tensor, k: Tensor, v: Tensor, spans: list[_Span], i0: int, i1: int, scale: float,
            sinks: Tensor | None, h: int, grad: bool) -> Tensor:  # fmt: skip
     """One block of grouped queries qg (Bs, Hkv, G*n, Dk) over its spans, each through PyTorch's fused
@@ -380,8 +465,11 @@ def _fused(qg: Tensor, k: Tensor, v: Tensor, spans: list[_Span], i0: int, i1: in
     acc: Tensor | None = None
     lse: Tensor | None = None
     for j0, j1, keep, bias in spans:
-        keep, bias, row_ok = open_dead_rows(keep, bias)  # rows that see nothing here: re-opened, zeroed below
-        mask = attn_mask(keep, bias, qg.dtype)  # the bias (or 0) where allowed, -inf elsewhere
+        with _serial():
+            keep, bias, row_ok = open_dead_rows(
+                keep, bias
+            )  # rows that see nothing here: re-opened, zeroed below
+            mask = attn_mask(keep, bias, qg.dtype)  # the bias (or 0) where allowed, -inf elsewhere
         if mask is not None:
             mask = group_mask(mask.expand(*mask.shape[:3], j1 - j0), h, hkv, n)  # (Bs|1, Hkv|1, G*n|1, w)
         kt, vt = k[:, :, j0:j1], v[:, :, j0:j1]  # (Bs, Hkv, w, D)
@@ -405,9 +493,10 @@ def _fused(qg: Tensor, k: Tensor, v: Tensor, spans: list[_Span], i0: int, i1: in
 
 def _join(acc: Tensor, lse: Tensor, o: Tensor, part: Tensor) -> tuple[Tensor, Tensor]:
     """Two normalised partial outputs (Bs, H, n, Dv) with their log-sum-exps (Bs, H, n, 1) -> one."""
-    total = torch.logaddexp(lse, part)  # (Bs, H, n, 1)
-    shift = total.masked_fill(torch.isneginf(total), 0.0)  # rows with nothing so far stay 0
-    return acc * torch.exp(lse - shift) + o * torch.exp(part - shift), total
+    with _serial():
+        total = torch.logaddexp(lse, part)  # (Bs, H, n, 1)
+        shift = total.masked_fill(torch.isneginf(total), 0.0)  # rows with nothing so far stay 0
+        return acc * torch.exp(lse - shift) + o * torch.exp(part - shift), total
 
 
 # ----------------------------------------------------------------------------------------------

@@ -32,10 +32,9 @@ from torch import Tensor
 
 from ..masks import attn_mask as additive
 from ..masks import causal, materialize, to_bias
+from ..segments import packed_runs
 from ._common import DENSE_LIMIT, dense_refusal, kv_for_cpu_kernel, zero_dead_rows
-from .base import AttentionCall
-from .blocked import _DTYPES as _BLOCKED_DTYPES
-from .blocked import packed_runs
+from .base import AttentionCall, Deferral
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -77,13 +76,11 @@ def _with_sink_key(
 
 
 def _packed_on_cpu(call: AttentionCall) -> bool:
-    """Whether a CPU call with segment ids is packed sequences (one contiguous run per id) that the
-    blocked backend serves for less than the dense grid: its runs' pairs at most half the row's."""
+    """Whether a CPU call with segment ids is packed sequences (one contiguous run per id) that a
+    per-sequence backend serves for less than the dense grid: its runs' pairs at most half the row's."""
     q, segments = call.q, call.masks.segments
-    if segments is None or q.device.type != "cpu" or q.dtype not in _BLOCKED_DTYPES:
+    if segments is None or q.device.type != "cpu":
         return False
-    if call.return_weights or call.dropout > 0:
-        return False  # blocked serves neither
     runs = packed_runs(*segments)
     if runs is None:
         return False
@@ -110,13 +107,14 @@ class SDPABackend:
         if reason is not None:
             yield reason
 
-    def defers(self, call: AttentionCall) -> str | None:
-        """Why auto routing leaves a call sdpa could serve to a later backend (``backend='sdpa'`` still
-        serves it), or ``None``."""
+    def defers(self, call: AttentionCall) -> Deferral | None:
+        """The backend auto routing gives a call sdpa could serve, when that one serves it for less
+        (``backend='sdpa'`` still serves it), or ``None``."""
         if _packed_on_cpu(call):
-            return (
+            return Deferral(
+                "blocked",
                 "packed segment ids on CPU: blocked's per-sequence path costs only the real tokens "
-                "(sdpa would evaluate every (query, key) pair of the row)"
+                "(sdpa would evaluate every (query, key) pair of the row)",
             )
         return None
 

@@ -28,6 +28,7 @@ tile of them); the argument validators live in :mod:`multihead.core.checks`.
 """
 
 from ..checks import check_bias, check_mask, check_segment_ids, check_valid_lens
+from .blocks import BlockMaskFunction, Blocks, block_mask
 from .dense import (
     bottom_right,
     causal,
@@ -64,6 +65,8 @@ from .normalize import Normalized, evaluate_block, materialize, normalize
 
 __all__ = [
     "BiasFn",
+    "BlockMaskFunction",
+    "Blocks",
     "BiasFunction",
     "DeadRows",
     "KeyBound",
@@ -74,6 +77,7 @@ __all__ = [
     "alibi_slopes",
     "and_masks",
     "attn_mask",
+    "block_mask",
     "bottom_right",
     "call_fn",
     "causal",

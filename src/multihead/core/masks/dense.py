@@ -12,12 +12,24 @@ bottom-right rule (the default), ``0`` the top-left one of ``torch``'s ``is_caus
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
 from ..checks import check_valid_lens, is_int
 
+
+class Extent(NamedTuple):
+    """[start, stop) of one tile dimension; unlike a ``range`` it keeps a symbolic size symbolic (an
+    exported graph's dynamic lengths stay dynamic)."""
+
+    start: int
+    stop: int
+
+
 __all__ = [
+    "Extent",
     "bottom_right",
     "causal",
     "causal_keep",
@@ -183,18 +195,26 @@ def index_grid(
     target: tuple[int, int, int, int],
     device: torch.device | str | None = None,
     *,
-    batch: range | None = None,
-    queries: range | None = None,
-    keys: range | None = None,
+    batch: Extent | range | None = None,
+    queries: Extent | range | None = None,
+    keys: Extent | range | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The int64 index tensors a mask or bias function is called with on the (B, H, Lq, Lk) grid ``target``,
-    or on the tile of it that ``batch``, ``queries`` and ``keys`` (ranges of global indices) select:
+    r"""The int64 index tensors a mask or bias function is called with on the (B, H, Lq, Lk) grid ``target``,
+    or on the tile of it that ``batch``, ``queries`` and ``keys`` (:class:`Extent`\ s or ranges of global
+    indices) select:
     ``b`` (B, 1, 1, 1), ``h`` (1, H, 1, 1), ``q_idx`` (1, 1, Lq, 1), ``kv_idx`` (1, 1, 1, Lk)."""
     nb, h, lq, lk = target
-    b, q, k = batch or range(nb), queries or range(lq), keys or range(lk)
+
+    def arange(
+        extent: Extent | range | None, n: int
+    ) -> Tensor:  # the whole dimension: arange(n), n kept symbolic
+        if extent is None or (extent.start == 0 and extent.stop is n):
+            return torch.arange(n, device=device)
+        return torch.arange(extent.start, extent.stop, device=device)
+
     return (
-        torch.arange(b.start, b.stop, device=device).view(-1, 1, 1, 1),  # (B, 1, 1, 1)
+        arange(batch, nb).view(-1, 1, 1, 1),  # (B, 1, 1, 1)
         torch.arange(h, device=device).view(1, h, 1, 1),  # (1, H, 1, 1)
-        torch.arange(q.start, q.stop, device=device).view(1, 1, -1, 1),  # (1, 1, Lq, 1)
-        torch.arange(k.start, k.stop, device=device).view(1, 1, 1, -1),  # (1, 1, 1, Lk)
+        arange(queries, lq).view(1, 1, -1, 1),  # (1, 1, Lq, 1)
+        arange(keys, lk).view(1, 1, 1, -1),  # (1, 1, 1, Lk)
     )

@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 from ..checks import check_bias, check_mask, check_segment_ids, check_valid_lens
-from .dense import causal_keep, combine, from_valid_lens, index_grid, segment_mask
+from .blocks import BlockMaskFunction, from_flex, is_flex_block_mask
+from .dense import Extent, causal_keep, combine, from_valid_lens, index_grid, segment_mask
 from .evaluate import call_fn, open_dead_rows, probe_fn
 from .functions import BiasFn, MaskFn
 
@@ -101,6 +102,10 @@ def normalize(
     b, _, lq, lk = target
     if causal and lq == 1 and lk >= 1:
         causal = False  # one query, bottom-right aligned, sees every key: a decoding step needs no mask
+    if is_flex_block_mask(mask):
+        mask = from_flex(mask, target)  # its structure and mask_mod, as FlexAttention computes them
+    if isinstance(mask, BlockMaskFunction):
+        mask.blocks.check(target)
     mask_fn = mask if _is_fn(mask) else None
     bias_fn = bias if _is_fn(bias) else None
     mask_broadcast = probe_fn(mask_fn, target, "mask", device) if mask_fn is not None else True
@@ -145,7 +150,7 @@ def materialize(
     return _dense(keep, bias)
 
 
-def _cut(t: Tensor | None, b: range, q: range, kv: range) -> Tensor | None:
+def _cut(t: Tensor | None, b: Extent, q: Extent, kv: Extent) -> Tensor | None:
     """A dense (B|1, H|1, Lq|1, Lk|1) mask or bias on a tile, broadcast (size-1) dimensions kept."""
     if t is None:
         return None
@@ -182,8 +187,10 @@ def evaluate_block(
     ``keep=False`` / ``bias=False``: leave that part out (``None``), e.g. the bias of keys found masked.
     """
     nb, _, lq, lk = target
-    rb, rq, rk = (range(*s.indices(n)) for s, n in ((batch, nb), (q, lq), (kv, lk)))
-    allowed = combine(_cut(norm.mask, rb, rq, rk), _cut(norm.row_ok, rb, rq, range(0, 1))) if keep else None
+    rb, rq, rk = (
+        Extent(s.start or 0, n if s.stop is None else s.stop) for s, n in ((batch, nb), (q, lq), (kv, lk))
+    )
+    allowed = combine(_cut(norm.mask, rb, rq, rk), _cut(norm.row_ok, rb, rq, Extent(0, 1))) if keep else None
     added = _cut(norm.bias, rb, rq, rk) if bias else None
     diagonal = lk - lq  # bottom right
     crosses = keep and norm.causal and rk.stop - 1 > rq.start + diagonal  # a key of the tile is past it

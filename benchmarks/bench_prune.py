@@ -183,6 +183,7 @@ def markdown(res: dict) -> str:
         ])  # fmt: skip
     half = [r["timing"]["speedup"] for r in timed if r["heads"] == "0.5"]
     seconds = max(r["command_seconds"] for r in res["records"])
+    quiet = [r["command_seconds"] for r in res["records"] if r["load_after"] <= (os.cpu_count() or 1) + 1]
     lines = [
         "# multihead prune on all-MiniLM-L6-v2, real text",
         "",
@@ -215,8 +216,14 @@ def markdown(res: dict) -> str:
             if half
             else "not measured."
         ),
-        f"Command time target: <= {SECONDS_TARGET:.0f} s on 2 quiet cores: longest run {seconds:.0f} s "
-        f"({'ok' if seconds <= SECONDS_TARGET else 'over'}{'; the machine was busy' if res['busy'] else ''}).",
+        f"Command time target: <= {SECONDS_TARGET:.0f} s on 2 quiet cores: "
+        + (
+            f"longest of the {len(quiet)} runs that ended with a 1-minute load <= {(os.cpu_count() or 1) + 1} "
+            f"(quiet but for the run itself): {max(quiet):.0f} s ({'ok' if max(quiet) <= SECONDS_TARGET else 'over'}); "
+            if quiet
+            else ""
+        )
+        + f"longest of all: {seconds:.0f} s{' (while other jobs ran)' if seconds > max(quiet, default=0) else ''}.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -234,15 +241,17 @@ def plot(res: dict, path: Path) -> None:
             vals = [r["external"] if label == "external" else
                     next(x for x in r["stages"] if x["stage"] == label)["held_out"] for r in rs]  # fmt: skip
             ys.append(statistics.fmean(vals))
-            lo.append(ys[-1] - min(vals))
-            hi.append(max(vals) - ys[-1])
+            lo.append(
+                max(0.0, ys[-1] - min(vals))
+            )  # max(0, ...): the mean of equal values may round past them
+            hi.append(max(0.0, max(vals) - ys[-1]))
         xs = [g + (i - 1.5) * width for g in range(len(groups))]
         ax.bar(xs, ys, width, label=label, yerr=[lo, hi], capsize=2)
     for g, ((corpus, frac), _) in enumerate(groups):
         if corpus in REAL:
             ax.hlines(TARGETS[frac], g - 0.45, g + 0.45, colors="k", linestyles="dashed")
     ax.set_xticks(range(len(groups)), [f"{c}\n--heads {f}" for (c, f), _ in groups], fontsize=8)
-    ax.set_ylim(0.85, 1.0)
+    ax.set_ylim(0.75, 1.0)
     ax.set_ylabel("held-out Spearman")
     ax.legend(loc="lower left", fontsize=8)
     ax.set_title("multihead prune on all-MiniLM-L6-v2: quality by stage (dashed: targets)")
@@ -255,18 +264,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--corpus", nargs="*", default=list(corpora.CORPORA), choices=list(corpora.CORPORA))
     parser.add_argument("--heads", nargs="*", default=list(FRACTIONS), choices=list(FRACTIONS))
     parser.add_argument("--seeds", nargs="*", type=int, default=[0, 1, 2])
+    parser.add_argument(
+        "--resume", action="store_true", help="keep the saved records, run only the missing ones"
+    )
     args = parser.parse_args(argv)
     load_before = "{:.1f} / {:.1f} / {:.1f}".format(*os.getloadavg())
     records: list[dict] = []
+    if args.resume and (RESULTS / "prune.json").exists():
+        saved = json.loads((RESULTS / "prune.json").read_text())
+        records, load_before = saved["records"], saved["load_before"]
+    done = {(r["corpus"], r["heads"], r["seed"]) for r in records}
     # seed by seed, so that an interrupted run has every configuration at least once
     for seed in args.seeds:
         for corpus in args.corpus:
             for frac in args.heads:
+                if (corpus, frac, seed) in done:
+                    continue
                 timed = corpus == "licences" and seed == args.seeds[0]
                 records.append(run_one(corpus, frac, seed, args.quick, timed))
                 res = results(records, args.seeds, load_before)
                 if not args.quick:
                     save(res)
+    res = results(records, args.seeds, load_before)
+    if not args.quick:
+        save(res)
     print(markdown(res))
 
 

@@ -202,10 +202,10 @@ def test_lm_objectives_label_score_distill_and_measure(folders, kind, cls):
         teacher = objective.outputs(ckpt.model, batches[0])
         name = next(iter(heads.head_counts(ckpt.model)))
         student = objective.outputs(heads.prune(ckpt.model, {name: [0]}), batches[0])
-    assert float(objective.distill(teacher, teacher)) == pytest.approx(0.0, abs=1e-6)  # KL and errors vanish
+    assert float(objective.distill(teacher, teacher)) == pytest.approx(0.0, abs=1e-5)  # KL and errors vanish
     assert float(objective.distill(student, teacher)) > 1e-6
     ref = objective.reference(ckpt.model, batches)
-    assert objective.quality(ckpt.model, ref, batches) == pytest.approx(1.0)  # perplexity ratio to itself
+    assert objective.quality(ckpt.model, ref, batches) == pytest.approx(1.0, abs=1e-4)  # to itself
 
 
 # ------------------------------------------------------------------------------------------------

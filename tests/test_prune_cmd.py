@@ -200,8 +200,11 @@ def test_lm_objectives_label_score_distill_and_measure(folders, kind, cls):
     assert all(bool(torch.isfinite(s).all()) and float(s.sum()) > 0 for s in scores.values())
     with torch.no_grad():
         teacher = objective.outputs(ckpt.model, batches[0])
-        name = next(iter(heads.head_counts(ckpt.model)))
-        student = objective.outputs(heads.prune(ckpt.model, {name: [0]}), batches[0])
+        # head 0 of every attention module: one head of one module of a random tiny model may barely move
+        # the output (the full suite once measured the encoder-decoder's distillation term under 1e-6)
+        student = objective.outputs(
+            heads.prune(ckpt.model, dict.fromkeys(heads.head_counts(ckpt.model), [0])), batches[0]
+        )
     assert float(objective.distill(teacher, teacher)) == pytest.approx(0.0, abs=1e-5)  # KL and errors vanish
     assert float(objective.distill(student, teacher)) > 1e-6
     ref = objective.reference(ckpt.model, batches)

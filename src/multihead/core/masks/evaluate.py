@@ -144,19 +144,41 @@ def how_to_call(
     if 0 in target:
         return True
     idx = _probe_index(target, device)
-    scalar = _scalar_call(fn, kind, idx)  # FlexAttention's meaning, or a ValueError naming the function
     try:
-        broad = _checked(fn(*idx), fn, kind, _shape(idx))
-        same = bool((broad.expand(scalar.shape) == scalar).all()) or (
-            kind == "bias" and torch.allclose(broad.expand(scalar.shape), scalar, equal_nan=True)
-        )
-    except Exception:  # fails on broadcast index tensors: it is called per scalar
-        same = False
+        scalar = _scalar_call(fn, kind, idx)  # FlexAttention's meaning, or a ValueError naming the function
+    except ValueError as err:
+        if not _vmap_cannot_index(err):
+            raise
+        # torch before 2.9: vmap reads a 0-d index tensor with .item() (``table[h]``, ``pad[b, kv_idx]``), so
+        # no function that indexes a captured tensor runs per scalar there, FlexAttention's own included;
+        # the broadcast call is the one meaning such a function has on that torch
+        try:
+            _checked(fn(*idx), fn, kind, _shape(idx))
+        except Exception:
+            raise err from err.__cause__  # it fails broadcast too: the per-scalar failure names it
+        scalar = None
+    same = True if scalar is None else _broadcast_agrees(fn, kind, idx, scalar)
     try:
         _MODES[fn] = same
     except TypeError:
         pass
     return same
+
+
+def _vmap_cannot_index(err: ValueError) -> bool:
+    cause = err.__cause__
+    return isinstance(cause, RuntimeError) and "vmap" in str(cause) and ".item()" in str(cause)
+
+
+def _broadcast_agrees(fn: Callable[..., object], kind: str, idx: Index, scalar: Tensor) -> bool:
+    """Whether ``fn`` on broadcast index tensors gives its per-scalar values on the probe grid."""
+    try:
+        broad = _checked(fn(*idx), fn, kind, _shape(idx))
+        return bool((broad.expand(scalar.shape) == scalar).all()) or (
+            kind == "bias" and torch.allclose(broad.expand(scalar.shape), scalar, equal_nan=True)
+        )
+    except Exception:  # fails on broadcast index tensors: it is called per scalar
+        return False
 
 
 def call_fn(fn: Callable[..., object], kind: str, idx: Index, broadcast: bool | None = None) -> Tensor:

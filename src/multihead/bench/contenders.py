@@ -313,6 +313,10 @@ def _flex_attention(case: Case, device: torch.device) -> Step:
 
     q, k, v = _qkv(case, device)
     fn = KINDS[case.mask].plain(case.length) if case.mask else None
+    # a fresh compile budget for each case: past dynamo's recompile limit (8 mask_mods in one process)
+    # flex_attention falls back to its eager form, which materialises (Lq, Lk) scores (23 GB at 16k: the
+    # machine killed the whole `--only flex:` run) and would time the wrong peer
+    torch._dynamo.reset()
     run = torch.compile(flex_attention, dynamic=False)
     n = case.length
 

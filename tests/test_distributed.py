@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rank_errors import Caught
 from torch import nn
 
 import multihead as mh
@@ -203,14 +204,8 @@ def _sharded_bias_kv(xl):
 
 def _error_cases(rank, world):
     """Bad calls must raise on every rank (none hangs); the group stays usable afterwards."""
-    caught = {}
-
-    def attempt(name, fn):
-        try:
-            fn()
-            caught[name] = None
-        except Exception as exc:  # noqa: BLE001 -- recorded and asserted by the test
-            caught[name] = (type(exc).__name__, str(exc))
+    caught = Caught()
+    attempt = caught.attempt
 
     q = torch.randn(1, 2, 3, 4)
     odd = torch.randn(1, 2, 5 if rank == 0 else 3, 4)  # lengths no zigzag cut produces

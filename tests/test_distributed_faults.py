@@ -10,6 +10,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from rank_errors import Caught
 
 import multihead as mh
 from multihead import distributed as mhd
@@ -17,14 +18,8 @@ from multihead import distributed as mhd
 
 def _disagreements():
     rank = dist.get_rank()
-    caught = {}
-
-    def attempt(name, fn):
-        try:
-            fn()
-            caught[name] = None
-        except Exception as exc:  # noqa: BLE001 -- recorded and asserted by the test
-            caught[name] = (type(exc).__name__, str(exc))
+    caught = Caught()
+    attempt = caught.attempt
 
     x = torch.randn(1, 4, 8, 4)  # (B, H, L_r, D)
     attempt("layout", lambda: mhd.ring_attention(x, x, x, layout="zigzag" if rank == 0 else "contiguous"))

@@ -105,18 +105,18 @@ class RingAttention(ShardedAttention):
 
     def serve(self, q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions, backend: str) -> Tensor:
         del backend
-        return ring_attention(
-            q,
-            k,
-            v,
-            causal=options.causal,
-            group=self.group,
-            layout=self.layout,
-            valid_lens=options.valid_lens,
-            key_mask=key_mask_of(options.mask, q, k),
-            segment_ids=options.segment_ids,
-            scale=options.scale,
-        )
+        return ring_attention(q, k, v, group=self.group, **self._keywords(q, k, options))
+
+    def _keywords(self, q: Tensor, k: Tensor, options: AttentionOptions) -> dict[str, Any]:
+        """The keywords the ring (and the hybrid) take from a call's options, the key mask cut from its mask."""
+        return {
+            "causal": options.causal,
+            "layout": self.layout,
+            "valid_lens": options.valid_lens,
+            "key_mask": key_mask_of(options.mask, q, k),
+            "segment_ids": options.segment_ids,
+            "scale": options.scale,
+        }
 
 
 @dataclass(frozen=True)
@@ -132,18 +132,7 @@ class HybridAttention(RingAttention):
         del backend
         if self.groups is None:
             raise ValueError("HybridAttention needs groups=HybridGroups.create(group, ulysses_size)")
-        return hybrid_attention(
-            q,
-            k,
-            v,
-            groups=self.groups,
-            causal=options.causal,
-            layout=self.layout,
-            valid_lens=options.valid_lens,
-            key_mask=key_mask_of(options.mask, q, k),
-            segment_ids=options.segment_ids,
-            scale=options.scale,
-        )
+        return hybrid_attention(q, k, v, groups=self.groups, **self._keywords(q, k, options))
 
 
 def _key_mask_problem(mask: Any, q: Tensor, k: Tensor) -> Iterator[str]:

@@ -502,3 +502,34 @@ def test_auto_sends_small_packed_cpu_batches_to_blocked():
         q, k, v, mh.masks.normalize((1, 4, 128, 128), segment_ids=unpacked), 8**-0.5, 0.0, False
     )
     assert backends.select(call).name == "sdpa"
+
+
+@pytest.mark.parametrize("other_thread", [False, True])
+def test_torch_threads_change_only_while_no_other_python_thread_runs(other_thread):
+    """blocked runs its tile mask ops on one torch thread; torch's count is process-wide, so it may
+    change only while the caller is the process's only Python thread."""
+    import threading
+
+    seen = []
+
+    def band(b, h, q, kv):
+        seen.append(torch.get_num_threads())
+        return (q - kv).abs() < 8
+
+    before = torch.get_num_threads()
+    stop = threading.Event()
+    waiter = threading.Thread(target=stop.wait) if other_thread else None
+    torch.set_num_threads(2)
+    try:
+        if waiter is not None:
+            waiter.start()
+        q, k, v = (torch.randn(1, 2, 64, 8) for _ in range(3))
+        alone = threading.active_count() == 1  # False too where an earlier test left a thread running
+        mh.attention(q, k, v, mask=band, backend="blocked")
+    finally:
+        stop.set()
+        if waiter is not None:
+            waiter.join()
+        torch.set_num_threads(before)
+    assert min(seen) == (1 if alone else 2)
+    assert alone or other_thread or threading.active_count() > 1

@@ -22,13 +22,14 @@ MASK_KINDS = ["none", "causal", "mask", "bias", "valid_lens_1d", "valid_lens_2d"
 
 
 def check_auto_choice(q, k, v, **kw):
-    """On CPU ``auto`` runs sdpa, or math when weights are asked for (flex needs CUDA): check the choice,
+    """On CPU ``auto`` runs sdpa, or math when weights are asked for (flex serves only mask functions on the
+    CPU, none here): check the choice,
     its reasons, and that ``auto`` gives exactly the chosen backend's result (so it ran that path)."""
     expected = "math" if kw.get("return_weights") else "sdpa"
     assert q.device.type == "cpu"
     assert backends.select(prepare(q, k, v, **kw)).name == expected
     why = mh.core.explain_backends(q, k, v, **kw)
-    assert why[expected] == [] and any("CUDA" in r for r in why["flex"]), why
+    assert why[expected] == [] and why["flex"], why
     if expected == "math":
         assert any("cannot return attention weights" in r for r in why["sdpa"]), why
     auto, chosen = (output_and_weights(mh.attention(q, k, v, backend=b, **kw)) for b in ("auto", expected))

@@ -20,6 +20,7 @@ from torch import Tensor
 from . import backends as _backends
 from . import masks as _masks
 from .checks import check_dropout, check_scale, check_softcap
+from .masks.blocks import from_flex, is_flex_block_mask
 from .options import AttentionOptions, AttentionOutput, options_of, output_and_weights
 
 __all__ = [
@@ -300,6 +301,8 @@ def reference_with(q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions) -
         scores = softcap * torch.tanh(scores / softcap)
 
     allowed = torch.ones(target, dtype=torch.bool, device=q.device)  # (B, H, Lq, Lk)
+    if is_flex_block_mask(mask):  # its blocks and mask_mod, as flex_attention reads them
+        mask = from_flex(mask, target)
     if callable(mask) and not isinstance(mask, Tensor):
         allowed = allowed & _masks.evaluate_fn(mask, target, "mask", q.device)
     elif mask is not None:

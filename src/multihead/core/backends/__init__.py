@@ -144,10 +144,12 @@ def select(call: AttentionCall, name: str = "auto") -> Backend:
     return backend
 
 
-# The auto order: flex serves CUDA calls with a mask or bias (block skipping), sdpa every call without
+# The auto order: flex serves CUDA calls with a mask or bias (block skipping) and hot, large CPU calls
+# with a mask function alone (compiled; see flex_cpu), sdpa every call without
 # weights that its fused kernel can run, blocked the CPU calls with mask/bias functions, segment ids,
 # softcap or sinks (cost follows the allowed pairs), math everything else (weights included).
-register(_flex.FlexBackend())
+_BLOCKED = _blocked.BlockedBackend()
+register(_flex.FlexBackend(fallback=_BLOCKED))  # on the CPU, blocked answers where a compile failed
 register(_sdpa.SDPABackend())
 register(_math.MathBackend())
-register(_blocked.BlockedBackend(), before="math")
+register(_BLOCKED, before="math")

@@ -32,6 +32,7 @@ Equals, for each query i of batch row b and head h (the dense formula, never for
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import NamedTuple
@@ -440,9 +441,14 @@ def _joined(pieces: list[tuple[int, Tensor | None]]) -> Tensor | None:
 @contextlib.contextmanager
 def _serial() -> Iterator[None]:
     """One torch thread inside: a tile's mask ops (a few hundred thousand elements each) are cheaper run
-    serially than as parallel regions that wait for the other threads (on a busy machine, by far)."""
+    serially than as parallel regions that wait for the other threads (on a busy machine, by far: 3x for
+    a band's forward at load 7, 1.25x for its training step, on 2 cores).
+
+    torch's thread count is process-wide, so it is changed only while the calling thread is the process's
+    only Python thread: no other thread can observe it or race on restoring it. With other threads alive
+    (a server, a data-loading thread) the ops run on the shared pool, at the cost above."""
     threads = torch.get_num_threads()
-    if threads == 1:
+    if threads == 1 or threading.active_count() > 1:
         yield
         return
     torch.set_num_threads(1)

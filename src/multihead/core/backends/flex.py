@@ -7,9 +7,11 @@ builds a block mask, so whole blocks that a sliding window, a causal band, key p
 sequences forbid are never computed; no dense (Lq, Lk) mask is built by this library. Softcap, a dense
 bias and a bias function become one ``score_mod``. Sinks use the returned log-sum-exp: with
 ``lse`` over the real keys, ``out * sigmoid(lse - sink[h])`` is exactly the output with the sink in the
-denominator. The kernel is compiled by ``torch.compile`` (Triton) on first use for each shape. It serves
-CUDA only (``compiled=False`` runs FlexAttention eagerly, forward only on CPU: for testing the plumbing)
-and never returns weights.
+denominator. The kernel is compiled by ``torch.compile`` (Triton) on first use for each shape. On the CPU it serves
+the calls :mod:`.flex_cpu` describes (a mask function alone, no autograd, float32: inductor's C++ kernel,
+with a block mask from the function's tile structure), and auto routing leaves small or one-off calls to
+``blocked``. ``compiled=False`` runs FlexAttention eagerly (forward only on CPU: for testing the plumbing).
+It never returns weights.
 
 Dimensions: B batch, H heads, Hkv kv heads, Lq/Lk lengths, Dk/Dv head dims.
 
@@ -37,7 +39,8 @@ from torch import Tensor
 
 from ..masks import BiasFn, MaskFn, and_masks, causal_fn, segments_fn, tensor_fn
 from ._common import zero_dead_rows
-from .base import AttentionCall
+from .base import AttentionCall, Backend, Deferral
+from .flex_cpu import CpuFlex
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -74,13 +77,20 @@ def _run_flex(
 class FlexBackend:
     name = "flex"
 
-    def __init__(self, *, compiled: bool = True) -> None:
+    def __init__(
+        self, *, compiled: bool = True, cpu: CpuFlex | None = None, fallback: Backend | None = None
+    ) -> None:
         self.compiled = compiled  # False: eager FlexAttention (slow, for testing the mask plumbing)
+        self.cpu = CpuFlex() if cpu is None else cpu  # the CPU policy and its compiled kernels
+        self.fallback = fallback  # serves a CPU call whose compile failed (the registry gives it blocked)
+
+    def _on_cpu(self, call: AttentionCall) -> bool:
+        return self.compiled and call.q.device.type == "cpu"
 
     def why_not(self, call: AttentionCall) -> Iterator[str]:
         q, m = call.q, call.masks
-        if q.device.type != "cuda" and self.compiled:
-            yield f"flex runs on CUDA only (Triton kernels); q is on {q.device.type}, where sdpa serves"
+        if q.device.type not in ("cuda", "cpu") and self.compiled:
+            yield f"flex runs on CUDA and the CPU; q is on {q.device.type}"
         if _flex_module() is None:
             yield f"torch {torch.__version__} has no torch.nn.attention.flex_attention (needs 2.5+)"
         if (
@@ -99,8 +109,18 @@ class FlexBackend:
             yield f"flex supports dtypes {_DTYPES}, got {q.dtype}"
         if q.device.type == "cpu" and torch.is_grad_enabled() and _needs_grad(call):
             yield "FlexAttention has no backward on CPU (run under torch.no_grad() or use another backend)"
+        if self._on_cpu(call):
+            yield from self.cpu.why_not(call)
+
+    def defers(self, call: AttentionCall) -> Deferral | None:
+        """On the CPU, auto routing leaves small, one-off and unbounded calls to ``blocked``
+        (:meth:`.flex_cpu.CpuFlex.defers`)."""
+        return self.cpu.defers(call) if self._on_cpu(call) else None
 
     def __call__(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
+        if self._on_cpu(call):
+            fallback = self.fallback
+            return self.cpu(call, None if fallback is None else lambda c: fallback(c)[0]), None
         flex = _flex_module()
         assert flex is not None
         q, k, v, m = call.q, call.k, call.v, call.masks

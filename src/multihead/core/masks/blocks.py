@@ -29,7 +29,15 @@ from .evaluate import call_fn, how_to_call
 from .functions import MaskFn, MaskFunction, check_callable, fn_name
 from .ranges import tile_bounds
 
-__all__ = ["BlockMaskFunction", "Blocks", "block_mask", "from_flex", "is_flex_block_mask", "structure"]
+__all__ = [
+    "BlockMaskFunction",
+    "Blocks",
+    "block_mask",
+    "from_flex",
+    "is_flex_block_mask",
+    "refine",
+    "structure",
+]
 
 
 @dataclass(frozen=True)
@@ -71,14 +79,21 @@ class Blocks:
 class BlockMaskFunction(MaskFunction):
     """A mask function with its block structure: ``fn(b, h, q_idx, kv_idx)`` is what it allows everywhere;
     ``blocks`` the structure a block-skipping backend follows; ``inner`` the function that decides inside a
-    tile the structure calls partial (for a FlexAttention ``BlockMask``: its ``mask_mod``; else ``fn``)."""
+    tile the structure calls partial (for a FlexAttention ``BlockMask``: its ``mask_mod``; else ``fn``);
+    ``source``: the FlexAttention ``BlockMask`` it was made from, or ``None``."""
 
     def __init__(
-        self, fn: MaskFn, blocks: Blocks, inner: MaskFn | None = None, name: str | None = None
+        self,
+        fn: MaskFn,
+        blocks: Blocks,
+        inner: MaskFn | None = None,
+        name: str | None = None,
+        source: object | None = None,
     ) -> None:
         super().__init__(fn, name, blocks.key_range)
         self.blocks = blocks
         self.inner = fn if inner is None else inner
+        self.source = source
 
 
 def _table(num: Tensor, idx: Tensor, nk: int) -> Tensor:
@@ -124,8 +139,36 @@ def from_flex(block_mask: object, target: tuple[int, int, int, int]) -> BlockMas
     blocks = Blocks(bq, bk, lq, lk, allowed_any, full_all, mb, mh)
     uniform = mb == 1 and mh == 1  # then a tile the structure calls partial is partial for every (b, h)
     return BlockMaskFunction(
-        block_mask, blocks, mask_mod if uniform else None, f"BlockMask({fn_name(mask_mod)})"
+        block_mask, blocks, mask_mod if uniform else None, f"BlockMask({fn_name(mask_mod)})", bm
     )
+
+
+def refine(coarse: Blocks, fine: Blocks) -> Blocks:
+    """The structure that ``coarse`` gives with ``fine``'s smaller tiles, where ``fine`` bounds the function
+    that decides inside ``coarse``'s partial tiles (a BlockMask's ``mask_mod``): a fine tile is empty where
+    its coarse tile is, full where its coarse tile is full (there the function is never asked) or where
+    ``fine`` finds it full, partial else. Tile sizes must divide: ``coarse.block_q % fine.block_q == 0``
+    (and the same for keys); one structure per call ``(Lq, Lk)``."""
+    rq, rk = coarse.block_q // fine.block_q, coarse.block_k // fine.block_k
+    if (
+        coarse.block_q % fine.block_q
+        or coarse.block_k % fine.block_k
+        or (coarse.lq, coarse.lk) != (fine.lq, fine.lk)
+    ):
+        raise ValueError(
+            f"refine: the fine tiles {fine.block_q}x{fine.block_k} over ({fine.lq}, {fine.lk}) must divide the "
+            f"coarse tiles {coarse.block_q}x{coarse.block_k} over ({coarse.lq}, {coarse.lk})"
+        )
+    nq, nk = fine.allowed.shape
+
+    def up(t: Tensor) -> Tensor:  # (nq', nk') of coarse tiles -> (nq, nk) of fine ones
+        return t.repeat_interleave(rq, 0).repeat_interleave(rk, 1)[:nq, :nk]
+
+    allowed, full = up(coarse.allowed), up(coarse.full)
+    return Blocks(
+        fine.block_q, fine.block_k, fine.lq, fine.lk, allowed & (full | fine.allowed),
+        full | (allowed & fine.full), coarse.batch, coarse.heads,
+    )  # fmt: skip
 
 
 def _exact(

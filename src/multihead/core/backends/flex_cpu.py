@@ -1,0 +1,254 @@
+"""Compiled FlexAttention on the CPU: which calls the ``flex`` backend takes there, and how it runs them.
+
+``torch.compile`` turns ``flex_attention`` into a C++ kernel for the CPU (inductor's template: float32,
+forward only). It skips the tiles a block mask lists as empty, runs the full ones unmasked and inlines the
+mask function in the partial ones -- one loop, where the ``blocked`` backend makes one ATen kernel call per
+block of queries with a materialised mask per span. For banded and block-sparse masks it is the faster of
+the two on the CPU (``benchmarks/results/flex_masks_cpu*``). It has two costs, which this module bounds:
+
+* **a compile** (seconds, once per mask function and shape): auto routing (:meth:`CpuFlex.defers`) leaves a
+  call to ``blocked`` until its (function, shape) has been seen :data:`HOT` times and while it has fewer
+  than :data:`MIN_PAIRS` (query, key) pairs -- a one-off or small call never waits for a compiler;
+* **dynamo's recompile limit** (past it, ``flex_attention`` falls back to its eager form, which holds
+  every (Lq, Lk) score): each (function, shape) gets a compiled entry point of its own (a fresh code
+  object), so keys never share a cache, and at most :data:`CAPACITY` are kept (least recently used go).
+
+A compile that fails (no C++ compiler, a mask function dynamo cannot trace) is reported once as a
+warning, that key stays on ``blocked`` for good, and the call is answered by ``blocked``.
+
+Only calls whose sole masking is a mask function take this path: no dense mask or bias, segment ids,
+causal flag, bias function, softcap or sinks; no autograd; float32; Dk == Dv. The function is the
+``mask_mod`` with FlexAttention's meaning exactly (FlexAttention's own evaluation), and its block mask comes from the tile
+structure (:func:`multihead.core.masks.blocks.structure`: interval arithmetic, cached) -- never from
+evaluating the mask on the whole grid as ``create_block_mask`` does -- in :data:`TILE` x :data:`TILE` tiles
+where they compute at most :data:`SPARES` of the pairs that :data:`COARSE` tiles do (a band's edges,
+chunks: 6-11% less time at L = 4,096), else in :data:`COARSE` ones (prefix-LM, causal). A ``BlockMask``
+passed as ``mask=`` keeps its meaning (its blocks, its ``mask_mod`` inside the partial ones), refined the
+same way where its ``mask_mod`` can be bounded (:func:`~multihead.core.masks.blocks.refine`).
+
+Dimensions: B batch, H query heads, Hkv kv heads, Lq/Lk lengths, D head dim, nq/nk tiles.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..checks import is_tracing
+from ..masks.blocks import BlockMaskFunction, Blocks, refine, structure
+from .base import AttentionCall, Deferral
+
+__all__ = ["CAPACITY", "HOT", "MIN_PAIRS", "TILE", "CpuFlex"]
+
+log = logging.getLogger(__name__)
+
+HOT = 2  # calls of one (function, shape) before auto routing compiles it
+MIN_PAIRS = 1 << 22  # (query, key) pairs from which auto routing compiles (2,048 x 2,048)
+TILE = 64  # the small tile: queries and keys of one tile where it spares computed pairs ...
+COARSE = 128  # ... else this one (FlexAttention's default): fewer tiles, less loop overhead
+SPARES = 0.95  # the small tile serves when it computes at most this share of the coarse tile's pairs
+CAPACITY = 32  # compiled (function, shape) entries kept
+
+
+@dataclass
+class _Entry:
+    """One (mask function, shape): how often auto routing saw it, its block mask (for the structure it was
+    built from) and compiled entry point, or why it failed."""
+
+    fn: object  # the function or BlockMask it serves (held: its id stays unique while cached)
+    seen: int = 0
+    blocks: Blocks | None = None
+    block_mask: object | None = None
+    versions: tuple = ()  # of a BlockMask's tables when its block mask was made
+    run: Callable[..., Tensor] | None = None
+    failed: str | None = None
+
+
+def _entry_point() -> Callable[..., Tensor]:
+    """A fresh function, with a code object of its own, that calls ``flex_attention``: compiled, its dynamo
+    cache (and recompile count) belongs to one key alone."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    def run(q: Tensor, k: Tensor, v: Tensor, block_mask: object, scale: float, enable_gqa: bool) -> Tensor:
+        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)  # type: ignore[arg-type,return-value]
+
+    _entry_point.made = getattr(_entry_point, "made", 0) + 1  # type: ignore[attr-defined]
+    code = run.__code__.replace(co_name=f"flex_cpu_{_entry_point.made}")  # type: ignore[attr-defined]
+    fresh = types.FunctionType(code, run.__globals__, code.co_name, None, run.__closure__)
+    return torch.compile(fresh, dynamic=False, fullgraph=True)
+
+
+def to_flex(blocks: Blocks, mask_mod: object) -> object:
+    """A FlexAttention ``BlockMask`` with ``blocks``'s tiles (partial ones decided by ``mask_mod``)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    def listed(table: Tensor) -> tuple[Tensor, Tensor]:  # (nq, nk) bool -> (1, 1, nq) counts, (1, 1, nq, nk)
+        order = torch.argsort((~table).to(torch.int8), dim=-1, stable=True)  # listed tiles first, in order
+        return table.sum(-1).to(torch.int32)[None, None], order.to(torch.int32)[None, None]
+
+    partial, full = listed(blocks.allowed & ~blocks.full), listed(blocks.full)
+    return BlockMask.from_kv_blocks(
+        *partial, *full, BLOCK_SIZE=(blocks.block_q, blocks.block_k), mask_mod=mask_mod,
+        seq_lengths=(blocks.lq, blocks.lk),
+    )  # fmt: skip
+
+
+class CpuFlex:
+    """The ``flex`` backend's CPU policy and runner (see the module docstring)."""
+
+    def __init__(
+        self, *, hot: int = HOT, min_pairs: int = MIN_PAIRS, tile: int = TILE, capacity: int = CAPACITY
+    ) -> None:
+        self.hot, self.min_pairs, self.tile, self.capacity = hot, min_pairs, tile, capacity
+        self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
+
+    def why_not(self, call: AttentionCall) -> Iterator[str]:
+        """Every reason compiled FlexAttention on the CPU cannot serve ``call``."""
+        q, m = call.q, call.masks
+        if m.mask_fn is None:
+            yield "compiled flex on the CPU serves calls with a mask function (mask=fn or a BlockMask)"
+        extras = (m.mask is not None, m.bias is not None, m.bias_fn is not None, m.segments is not None,
+                  m.causal, call.softcap is not None, call.sinks is not None)  # fmt: skip
+        if any(extras):
+            yield (
+                "compiled flex on the CPU serves a mask function alone (no dense mask or bias, bias function, "
+                "segment ids, causal flag, softcap or sinks: blocked serves those)"
+            )
+        if q.dtype != torch.float32:
+            yield f"compiled flex on the CPU runs float32 only, got {q.dtype} (blocked serves it)"
+        if q.shape[-1] != call.v.shape[-1]:
+            yield f"compiled flex on the CPU needs Dk == Dv, got {q.shape[-1]} and {call.v.shape[-1]}"
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, call.k, call.v)):
+            yield "FlexAttention has no backward on the CPU (run under torch.no_grad(), or blocked serves it)"
+        if is_tracing():
+            yield "inside a trace or torch.compile the blocked backend serves (no nested compile)"
+        entry = self._entries.get(self._key(call)) if m.mask_fn is not None else None
+        if entry is not None and entry.failed is not None:
+            yield f"compiled flex failed for this mask function and shape: {entry.failed}"
+
+    def defers(self, call: AttentionCall) -> Deferral | None:
+        """For auto routing: ``blocked`` serves ``call`` until its (function, shape) is hot and large (this
+        counts the sighting), or when the function's tile structure cannot be bounded."""
+        lq, lk = call.q.shape[2], call.k.shape[2]
+        if lq * lk < self.min_pairs:
+            return Deferral("blocked", f"{lq} x {lk} pairs < {self.min_pairs}: no compile for a small call")
+        entry = self._entry(call)
+        entry.seen += 1
+        if entry.run is None and entry.seen < self.hot:
+            return Deferral("blocked", f"seen {entry.seen} < {self.hot} times: compiled once it repeats")
+        if entry.block_mask is None and self._block_mask(call, entry) is None:
+            return Deferral("blocked", "the mask function's tile structure cannot be bounded")
+        return None
+
+    def __call__(self, call: AttentionCall, fallback: Callable[[AttentionCall], Tensor] | None) -> Tensor:
+        """(B, H, Lq, D) through the compiled kernel; ``fallback(call)`` answers when compiling fails
+        (without one, the error propagates)."""
+        entry = self._entry(call)
+        block_mask = self._block_mask(call, entry)
+        if block_mask is None:  # named backend='flex' with an unboundable function: flex's own structure
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            b, h, lq, lk = (*call.q.shape[:3], call.k.shape[2])
+            block_mask = entry.block_mask = create_block_mask(call.masks.mask_fn, b, h, lq, lk, device="cpu")  # type: ignore[arg-type]
+        try:
+            if entry.run is None:
+                entry.run = _entry_point()
+            return entry.run(
+                call.q, call.k, call.v, block_mask, call.scale, call.k.shape[1] != call.q.shape[1]
+            )  # (B, H, Lq, D)
+        except Exception as err:  # a compiler or tracer failure: the fallback answers, noted once
+            if fallback is None:
+                raise
+            entry.failed, entry.run = (
+                f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
+                None,
+            )
+            warnings.warn(
+                f"multihead: compiled FlexAttention failed on the CPU for mask function {_name(entry.fn)} "
+                f"({entry.failed}); the blocked backend serves it from now on",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return fallback(call)
+
+    # ------------------------------------------------------------------------------------------
+
+    def _key(self, call: AttentionCall) -> tuple:
+        fn = call.masks.mask_fn
+        source = getattr(fn, "source", None) or fn  # a BlockMask is wrapped anew on every call
+        return (id(source), tuple(call.q.shape), tuple(call.k.shape), call.scale)
+
+    def _entry(self, call: AttentionCall) -> _Entry:
+        key = self._key(call)
+        entry = self._entries.get(key)
+        if entry is None:
+            fn = call.masks.mask_fn
+            entry = self._entries[key] = _Entry(getattr(fn, "source", None) or fn)
+            while len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
+        self._entries.move_to_end(key)
+        return entry
+
+    def _block_mask(self, call: AttentionCall, entry: _Entry) -> object | None:
+        """The entry's block mask, rebuilt when the function's structure changed (a captured tensor was
+        written in place), or ``None`` when the structure cannot be bounded."""
+        fn = call.masks.mask_fn
+        target = (*call.q.shape[:3], call.k.shape[2])
+        if isinstance(fn, BlockMaskFunction):
+            versions = _versions(fn.source)
+            if fn.source is not None and entry.block_mask is not None and entry.versions == versions:
+                return entry.block_mask  # the same BlockMask, unchanged: wrapped anew on every call
+            entry.versions, coarse, inner = versions, fn.blocks, fn.inner
+            fine = self._fine(coarse, inner, target)
+            fine = None if fine is None else refine(coarse, fine)
+            blocks = fine if fine is not None and _spares(coarse, fine) else coarse
+            if blocks is coarse and fn.source is not None:
+                entry.blocks, entry.block_mask = blocks, fn.source  # the user's BlockMask, as given
+                return fn.source
+            mask_mod = inner
+        else:
+            coarse = structure(fn, target, COARSE, COARSE)  # type: ignore[arg-type]
+            if coarse is None:
+                return None
+            fine = structure(fn, target, self.tile, self.tile)  # type: ignore[arg-type]
+            blocks, mask_mod = (fine if fine is not None and _spares(coarse, fine) else coarse), fn
+        if entry.blocks is not blocks or entry.block_mask is None:
+            entry.blocks, entry.block_mask = blocks, to_flex(blocks, mask_mod)
+            log.debug("compiled flex on the CPU: a %dx%d block mask for %s", blocks.block_q, blocks.block_k,
+                      _name(entry.fn))  # fmt: skip
+        return entry.block_mask
+
+    def _fine(self, coarse: Blocks, inner: object, target: tuple[int, int, int, int]) -> Blocks | None:
+        """``inner``'s structure in :data:`TILE` tiles where it refines ``coarse`` (whose partial tiles
+        ``inner`` alone decides, the same for every row and head), else ``None``."""
+        uniform = coarse.batch == 1 and coarse.heads == 1 and inner is not None
+        if not uniform or coarse.block_q % self.tile or coarse.block_k % self.tile:
+            return None
+        if coarse.block_q == self.tile and coarse.block_k == self.tile:
+            return None
+        return structure(inner, target, self.tile, self.tile)  # type: ignore[arg-type]
+
+
+def _spares(coarse: Blocks, fine: Blocks) -> bool:
+    """Whether ``fine``'s tiles compute at most :data:`SPARES` of the pairs ``coarse``'s tiles do: then
+    their extra loop overhead pays (a band's edges, chunks); else (prefix-LM, causal) it does not."""
+    area = int(fine.allowed.sum()) * fine.block_q * fine.block_k
+    return area <= SPARES * int(coarse.allowed.sum()) * coarse.block_q * coarse.block_k
+
+
+def _versions(block_mask: object | None) -> tuple:
+    """The in-place versions of a FlexAttention BlockMask's block tables (``()`` for ``None``)."""
+    names = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
+    tables = (getattr(block_mask, n, None) for n in names) if block_mask is not None else ()
+    return tuple(t._version if isinstance(t, Tensor) else None for t in tables)
+
+
+def _name(fn: object) -> str:
+    return getattr(fn, "name", None) or getattr(fn, "__name__", None) or type(fn).__name__

@@ -1,0 +1,175 @@
+"""Compiled FlexAttention on the CPU (multihead.core.backends.flex_cpu): the routing policy, the block mask
+built from a function's tile structure (a user's BlockMask refined, never changed in meaning), the
+fallback when compiling fails, and the compiled kernel's numbers against the float64 reference.
+
+The numeric cases compile (a few seconds each, cached on disk by inductor afterwards), so there are few."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import multihead as mh
+from multihead.core import backends
+from multihead.core.attention import prepare
+from multihead.core.backends import flex_cpu
+from multihead.core.backends.flex import FlexBackend
+from multihead.core.backends.flex_cpu import CpuFlex, to_flex
+from multihead.core.masks.blocks import Blocks, from_flex, refine, structure
+from multihead.testing import compare_to_reference
+
+flex_attention = pytest.importorskip(
+    "torch.nn.attention.flex_attention", reason="FlexAttention (torch >= 2.5)"
+)
+if not hasattr(flex_attention, "create_block_mask"):
+    pytest.skip("this torch's FlexAttention lacks create_block_mask", allow_module_level=True)
+
+
+def _qkv(h=4, hkv=4, lq=96, lk=96, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(1, h, lq, d, generator=g), torch.randn(1, hkv, lk, d, generator=g),
+            torch.randn(1, hkv, lk, d, generator=g))  # fmt: skip
+
+
+def band(b, h, q, kv):
+    return (q - kv < 20) & (kv - q < 20)
+
+
+# ----------------------------------------------------------------------------------------------
+# Policy: which calls, when
+# ----------------------------------------------------------------------------------------------
+
+
+def test_auto_routing_waits_for_a_hot_large_call_and_refuses_what_it_cannot_serve():
+    cpu = CpuFlex(min_pairs=96 * 96, hot=3)
+    q, k, v = _qkv()
+    call = prepare(q, k, v, mask=band)
+    assert list(cpu.why_not(call)) == []
+    assert [cpu.defers(call) is None for _ in range(4)] == [False, False, True, True]  # the 3rd call on
+    small = prepare(q[:, :, :95], k, v, mask=band)
+    assert "no compile for a small call" in cpu.defers(small).reason
+    unbounded = prepare(q, k, v, mask=lambda b, h, i, j: i.float().sin() > 0)
+    assert "cannot be bounded" in CpuFlex(min_pairs=1, hot=1).defers(unbounded).reason
+    refused = {
+        "causal": prepare(q, k, v, mask=band, causal=True),
+        "float64": prepare(q.double(), k.double(), v.double(), mask=band),
+        "dense mask": prepare(q, k, v, mask=torch.ones(96, 96, dtype=torch.bool)),
+        "sinks": prepare(q, k, v, mask=band, sinks=torch.zeros(4)),
+        "Dk != Dv": prepare(q, k, v[..., :8], mask=band),
+    }
+    for name, c in refused.items():
+        assert list(cpu.why_not(c)), name
+    with torch.enable_grad():
+        assert any("no backward" in r for r in cpu.why_not(prepare(q.requires_grad_(), k, v, mask=band)))
+
+
+def test_registry_sends_small_cpu_calls_with_functions_to_blocked():
+    q, k, v = _qkv()
+    with torch.no_grad():
+        for _ in range(3):
+            assert backends.select(prepare(q, k, v, mask=band)).name == "blocked"  # below MIN_PAIRS
+
+
+def test_a_failed_compile_warns_once_and_blocked_answers(monkeypatch):
+    def broken():
+        raise RuntimeError("no C++ compiler\nmore")
+
+    monkeypatch.setattr(flex_cpu, "_entry_point", broken)
+    backend = FlexBackend(cpu=CpuFlex(min_pairs=1, hot=1), fallback=backends.get("blocked"))
+    q, k, v = _qkv()
+    call = prepare(q, k, v, mask=band)
+    with pytest.raises(RuntimeError, match="no C"):  # without a fallback: the error itself
+        FlexBackend(cpu=CpuFlex(min_pairs=1, hot=1))(call)
+    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler; the blocked|blocked backend serves it"):
+        out, _ = backend(call)
+    torch.testing.assert_close(out, mh.attention_reference(q, k, v, mask=band), rtol=1e-5, atol=1e-5)
+    assert any("compiled flex failed" in r for r in backend.why_not(call))
+
+
+# ----------------------------------------------------------------------------------------------
+# Block masks from tile structure
+# ----------------------------------------------------------------------------------------------
+
+
+def _dense(blocks: Blocks) -> torch.Tensor:
+    """(Lq, Lk) codes of a structure: 0 empty, 1 partial, 2 full."""
+    code = blocks.allowed.to(torch.int8) + blocks.full.to(torch.int8)
+    return code.repeat_interleave(blocks.block_q, 0).repeat_interleave(blocks.block_k, 1)[
+        : blocks.lq, : blocks.lk
+    ]
+
+
+@pytest.mark.parametrize("lq,lk", [(256, 256), (200, 330)])
+def test_refine_keeps_a_block_masks_meaning(lq, lk):
+    """A coarse BlockMask with a block dropped and a partial block declared full: refined to finer tiles,
+    every pair is allowed exactly as flex_attention reads the coarse one."""
+    bm = flex_attention.create_block_mask(band, None, None, lq, lk, device="cpu", BLOCK_SIZE=128)
+    coarse = from_flex(bm, (1, 1, lq, lk)).blocks
+    allowed = coarse.allowed.clone()
+    full = coarse.full.clone()
+    allowed[0, 0] = False  # a block left out: nothing there is attended
+    full[1, 1] = allowed[1, 1] = True  # declared full: the mask_mod is never asked there
+    coarse = Blocks(128, 128, lq, lk, allowed, full)
+    fine = refine(coarse, structure(band, (1, 1, lq, lk), 32, 32))
+    i, j = torch.arange(lq)[:, None], torch.arange(lk)[None]
+    want = _dense(coarse).eq(2) | (_dense(coarse).eq(1) & band(0, 0, i, j))
+    code = _dense(fine)
+    assert not (want & code.eq(0)).any(), "an allowed pair in a tile called empty"
+    assert (want[code.eq(2)]).all(), "a forbidden pair in a tile called full"
+    got = code.eq(2) | (code.eq(1) & band(0, 0, i, j))
+    assert torch.equal(got, want)
+
+
+def test_to_flex_lists_the_structures_tiles():
+    blocks = structure(band, (1, 1, 200, 200), 64, 64)
+    bm = to_flex(blocks, band)
+    back = from_flex(bm, (1, 1, 200, 200)).blocks
+    assert torch.equal(back.allowed, blocks.allowed) and torch.equal(back.full, blocks.full)
+
+
+# ----------------------------------------------------------------------------------------------
+# The compiled kernel, against the float64 reference (these compile: few cases)
+# ----------------------------------------------------------------------------------------------
+
+_IDS = torch.tensor([0] * 40 + [1] * 70 + [2] * 50)  # documents of a captured tensor
+
+
+def _documents(b, h, q, kv):
+    return (_IDS[q] == _IDS[kv]) & (kv <= q)
+
+
+def _user_block_mask(lq, lk):
+    return flex_attention.create_block_mask(band, None, None, lq, lk, device="cpu", BLOCK_SIZE=128)
+
+
+CASES = {
+    # a band with Lq != Lk, grouped heads and query rows that see no key (output 0)
+    "band gqa Lq!=Lk": dict(shape=(4, 2, 150, 110), mask=lambda b, h, q, kv: (q - kv < 20) & (kv - q < 20)),
+    "documents (captured ids)": dict(shape=(4, 4, 160, 160), mask=_documents),
+    "user BlockMask, refined": dict(shape=(4, 4, 200, 200), mask="user"),
+}
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("name", list(CASES))
+def test_compiled_flex_on_cpu_matches_the_reference(name):
+    h, hkv, lq, lk = CASES[name]["shape"]
+    q, k, v = _qkv(h, hkv, lq, lk)
+    mask = CASES[name]["mask"]
+    mask = _user_block_mask(lq, lk) if mask == "user" else mask
+    backend = FlexBackend(cpu=CpuFlex(min_pairs=1, hot=1))
+
+    def run(q, k, v, mask):
+        call = prepare(q, k, v, mask=mask)
+        assert list(backend.why_not(call)) == [] and backend.defers(call) is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # a fallback to blocked would not test flex
+            return backend(call)[0]
+
+    with torch.no_grad():
+        rep = compare_to_reference(run, q, k, v, mask=mask)
+    assert rep.ok, rep
+    if name.startswith("band"):  # rows 130.. see no key (Lk = 110): zero, as on every backend
+        assert run(q, k, v, mask)[:, :, 130:].abs().max() == 0

@@ -6,6 +6,7 @@ The numeric cases compile (a few seconds each, cached on disk by inductor afterw
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -42,16 +43,17 @@ def band(b, h, q, kv):
 # ----------------------------------------------------------------------------------------------
 
 
-def test_auto_routing_waits_for_a_hot_large_call_and_refuses_what_it_cannot_serve():
-    cpu = CpuFlex(min_pairs=96 * 96, hot=3)
+def test_auto_routing_waits_for_a_hot_large_call_and_refuses_what_it_cannot_serve(monkeypatch):
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    cpu = CpuFlex(min_scores=4 * 96 * 96 - 1, hot=3)
     q, k, v = _qkv()
     call = prepare(q, k, v, mask=band)
     assert list(cpu.why_not(call)) == []
     assert [cpu.defers(call) is None for _ in range(4)] == [False, False, True, True]  # the 3rd call on
     small = prepare(q[:, :, :95], k, v, mask=band)
-    assert "no compile for a small call" in cpu.defers(small).reason
+    assert any("smaller ones cost less" in r for r in cpu.why_not(small))
     unbounded = prepare(q, k, v, mask=lambda b, h, i, j: i.float().sin() > 0)
-    assert "cannot be bounded" in CpuFlex(min_pairs=1, hot=1).defers(unbounded).reason
+    assert "cannot be bounded" in CpuFlex(min_scores=1, hot=1).defers(unbounded).reason
     refused = {
         "causal": prepare(q, k, v, mask=band, causal=True),
         "float64": prepare(q.double(), k.double(), v.double(), mask=band),
@@ -65,23 +67,25 @@ def test_auto_routing_waits_for_a_hot_large_call_and_refuses_what_it_cannot_serv
         assert any("no backward" in r for r in cpu.why_not(prepare(q.requires_grad_(), k, v, mask=band)))
 
 
-def test_registry_sends_small_cpu_calls_with_functions_to_blocked():
+def test_the_registry_routes_small_cpu_calls_with_functions_as_before():
     q, k, v = _qkv()
     with torch.no_grad():
         for _ in range(3):
-            assert backends.select(prepare(q, k, v, mask=band)).name == "blocked"  # below MIN_PAIRS
+            assert backends.select(prepare(q, k, v, mask=band)).name == "sdpa"  # dense, below MIN_SCORES
 
 
 def test_a_failed_compile_warns_once_and_blocked_answers(monkeypatch):
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+
     def broken():
         raise RuntimeError("no C++ compiler\nmore")
 
     monkeypatch.setattr(flex_cpu, "_entry_point", broken)
-    backend = FlexBackend(cpu=CpuFlex(min_pairs=1, hot=1), fallback=backends.get("blocked"))
+    backend = FlexBackend(cpu=CpuFlex(min_scores=1, hot=1), fallback=backends.get("blocked"))
     q, k, v = _qkv()
     call = prepare(q, k, v, mask=band)
     with pytest.raises(RuntimeError, match="no C"):  # without a fallback: the error itself
-        FlexBackend(cpu=CpuFlex(min_pairs=1, hot=1))(call)
+        FlexBackend(cpu=CpuFlex(min_scores=1, hot=1))(call)
     with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler; the blocked|blocked backend serves it"):
         out, _ = backend(call)
     torch.testing.assert_close(out, mh.attention_reference(q, k, v, mask=band), rtol=1e-5, atol=1e-5)
@@ -155,11 +159,19 @@ CASES = {
 @pytest.mark.numerics
 @pytest.mark.parametrize("name", list(CASES))
 def test_compiled_flex_on_cpu_matches_the_reference(name):
+    """Under a forced ATEN_CPU_CAPABILITY (tests/cpu_kernels.py) the tested behaviour is the refusal:
+    blocked serves, nothing compiles (see flex_cpu's docstring for why)."""
     h, hkv, lq, lk = CASES[name]["shape"]
     q, k, v = _qkv(h, hkv, lq, lk)
     mask = CASES[name]["mask"]
     mask = _user_block_mask(lq, lk) if mask == "user" else mask
-    backend = FlexBackend(cpu=CpuFlex(min_pairs=1, hot=1))
+    backend = FlexBackend(cpu=CpuFlex(min_scores=1, hot=1))
+    forced = os.environ.get("ATEN_CPU_CAPABILITY")
+    if forced:
+        call = prepare(q, k, v, mask=mask)
+        assert any("ATEN_CPU_CAPABILITY" in r for r in backend.why_not(call))
+        assert backends.select(call).name != "flex"
+        return
 
     def run(q, k, v, mask):
         call = prepare(q, k, v, mask=mask)

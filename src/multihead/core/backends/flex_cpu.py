@@ -6,15 +6,20 @@ mask function in the partial ones -- one loop, where the ``blocked`` backend mak
 block of queries with a materialised mask per span. For banded and block-sparse masks it is the faster of
 the two on the CPU (``benchmarks/results/flex_masks_cpu*``). It has two costs, which this module bounds:
 
-* **a compile** (seconds, once per mask function and shape): auto routing (:meth:`CpuFlex.defers`) leaves a
-  call to ``blocked`` until its (function, shape) has been seen :data:`HOT` times and while it has fewer
-  than :data:`MIN_PAIRS` (query, key) pairs -- a one-off or small call never waits for a compiler;
+* **a compile** (seconds, once per mask function and shape): it serves only calls of more than
+  :data:`MIN_SCORES` scores (B*H*Lq*Lk: where ``sdpa`` stops serving mask functions densely and ``blocked``
+  took them), and auto routing (:meth:`CpuFlex.defers`) leaves a call to ``blocked`` until its (function,
+  shape) has been seen :data:`HOT` times -- a one-off or small call never waits for a compiler;
 * **dynamo's recompile limit** (past it, ``flex_attention`` falls back to its eager form, which holds
   every (Lq, Lk) score): each (function, shape) gets a compiled entry point of its own (a fresh code
   object), so keys never share a cache, and at most :data:`CAPACITY` are kept (least recently used go).
 
 A compile that fails (no C++ compiler, a mask function dynamo cannot trace) is reported once as a
-warning, that key stays on ``blocked`` for good, and the call is answered by ``blocked``.
+warning, that key stays on ``blocked`` for good, and the call is answered by ``blocked``. With
+``ATEN_CPU_CAPABILITY`` set (torch's CPU kernels forced, as the project's numerics job does) nothing is
+compiled: under ``default`` inductor's flex template does not build (``at::vec::transpose_block`` missing),
+and a process with a forced capability was seen reusing on-disk kernels compiled under another one, with
+wrong results (torch 2.13, max error 2.07 against eager FlexAttention).
 
 Only calls whose sole masking is a mask function take this path: no dense mask or bias, segment ids,
 causal flag, bias function, softcap or sinks; no autograd; float32; Dk == Dv. The function is the
@@ -32,6 +37,7 @@ Dimensions: B batch, H query heads, Hkv kv heads, Lq/Lk lengths, D head dim, nq/
 from __future__ import annotations
 
 import logging
+import os
 import types
 import warnings
 from collections import OrderedDict
@@ -43,14 +49,15 @@ from torch import Tensor
 
 from ..checks import is_tracing
 from ..masks.blocks import BlockMaskFunction, Blocks, refine, structure
+from ._common import DENSE_LIMIT
 from .base import AttentionCall, Deferral
 
-__all__ = ["CAPACITY", "HOT", "MIN_PAIRS", "TILE", "CpuFlex"]
+__all__ = ["CAPACITY", "COARSE", "HOT", "MIN_SCORES", "TILE", "CpuFlex"]
 
 log = logging.getLogger(__name__)
 
 HOT = 2  # calls of one (function, shape) before auto routing compiles it
-MIN_PAIRS = 1 << 22  # (query, key) pairs from which auto routing compiles (2,048 x 2,048)
+MIN_SCORES = DENSE_LIMIT  # B*H*Lq*Lk above which it serves: where sdpa's dense path stops serving functions
 TILE = 64  # the small tile: queries and keys of one tile where it spares computed pairs ...
 COARSE = 128  # ... else this one (FlexAttention's default): fewer tiles, less loop overhead
 SPARES = 0.95  # the small tile serves when it computes at most this share of the coarse tile's pairs
@@ -104,9 +111,9 @@ class CpuFlex:
     """The ``flex`` backend's CPU policy and runner (see the module docstring)."""
 
     def __init__(
-        self, *, hot: int = HOT, min_pairs: int = MIN_PAIRS, tile: int = TILE, capacity: int = CAPACITY
+        self, *, hot: int = HOT, min_scores: int = MIN_SCORES, tile: int = TILE, capacity: int = CAPACITY
     ) -> None:
-        self.hot, self.min_pairs, self.tile, self.capacity = hot, min_pairs, tile, capacity
+        self.hot, self.min_scores, self.tile, self.capacity = hot, min_scores, tile, capacity
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
 
     def why_not(self, call: AttentionCall) -> Iterator[str]:
@@ -114,6 +121,12 @@ class CpuFlex:
         q, m = call.q, call.masks
         if m.mask_fn is None:
             yield "compiled flex on the CPU serves calls with a mask function (mask=fn or a BlockMask)"
+        scores = q.shape[0] * q.shape[1] * q.shape[2] * call.k.shape[2]
+        if scores <= self.min_scores:
+            yield (
+                f"compiled flex on the CPU serves calls of more than {self.min_scores} scores (B*H*Lq*Lk), got "
+                f"{scores}: smaller ones cost less on the dense and blocked paths than a compile"
+            )
         extras = (m.mask is not None, m.bias is not None, m.bias_fn is not None, m.segments is not None,
                   m.causal, call.softcap is not None, call.sinks is not None)  # fmt: skip
         if any(extras):
@@ -129,16 +142,20 @@ class CpuFlex:
             yield "FlexAttention has no backward on the CPU (run under torch.no_grad(), or blocked serves it)"
         if is_tracing():
             yield "inside a trace or torch.compile the blocked backend serves (no nested compile)"
+        forced = os.environ.get("ATEN_CPU_CAPABILITY")
+        if forced:
+            yield (
+                f"ATEN_CPU_CAPABILITY={forced} forces torch's CPU kernels: inductor's compiled FlexAttention "
+                "then fails to build (default) or reuses kernels cached for another capability (wrong results "
+                "seen), so blocked serves; unset it to compile"
+            )
         entry = self._entries.get(self._key(call)) if m.mask_fn is not None else None
         if entry is not None and entry.failed is not None:
             yield f"compiled flex failed for this mask function and shape: {entry.failed}"
 
     def defers(self, call: AttentionCall) -> Deferral | None:
-        """For auto routing: ``blocked`` serves ``call`` until its (function, shape) is hot and large (this
-        counts the sighting), or when the function's tile structure cannot be bounded."""
-        lq, lk = call.q.shape[2], call.k.shape[2]
-        if lq * lk < self.min_pairs:
-            return Deferral("blocked", f"{lq} x {lk} pairs < {self.min_pairs}: no compile for a small call")
+        """For auto routing: ``blocked`` serves ``call`` until its (function, shape) is hot (this counts the
+        sighting), or when the function's tile structure cannot be bounded."""
         entry = self._entry(call)
         entry.seen += 1
         if entry.run is None and entry.seen < self.hot:

@@ -45,6 +45,7 @@ def band(b, h, q, kv):
 
 def test_auto_routing_waits_for_a_hot_large_call_and_refuses_what_it_cannot_serve(monkeypatch):
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    monkeypatch.setattr(flex_cpu, "_TORCH", flex_cpu.VERIFIED)  # the policy, on any torch
     cpu = CpuFlex(min_scores=4 * 96 * 96 - 1, hot=3)
     q, k, v = _qkv()
     call = prepare(q, k, v, mask=band)
@@ -76,6 +77,7 @@ def test_the_registry_routes_small_cpu_calls_with_functions_as_before():
 
 def test_a_failed_compile_warns_once_and_blocked_answers(monkeypatch):
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    monkeypatch.setattr(flex_cpu, "_TORCH", flex_cpu.VERIFIED)  # the fallback, on any torch
 
     def broken():
         raise RuntimeError("no C++ compiler\nmore")
@@ -159,17 +161,17 @@ CASES = {
 @pytest.mark.numerics
 @pytest.mark.parametrize("name", list(CASES))
 def test_compiled_flex_on_cpu_matches_the_reference(name):
-    """Under a forced ATEN_CPU_CAPABILITY (tests/cpu_kernels.py) the tested behaviour is the refusal:
-    blocked serves, nothing compiles (see flex_cpu's docstring for why)."""
+    """Under a forced ATEN_CPU_CAPABILITY (tests/cpu_kernels.py) or a torch before flex_cpu.VERIFIED (the
+    floor job) the tested behaviour is the refusal: nothing compiles (see flex_cpu's docstring for why)."""
     h, hkv, lq, lk = CASES[name]["shape"]
     q, k, v = _qkv(h, hkv, lq, lk)
     mask = CASES[name]["mask"]
     mask = _user_block_mask(lq, lk) if mask == "user" else mask
     backend = FlexBackend(cpu=CpuFlex(min_scores=1, hot=1))
     forced = os.environ.get("ATEN_CPU_CAPABILITY")
-    if forced:
+    if forced or flex_cpu._TORCH < flex_cpu.VERIFIED:
         call = prepare(q, k, v, mask=mask)
-        assert any("ATEN_CPU_CAPABILITY" in r for r in backend.why_not(call))
+        assert any(("ATEN_CPU_CAPABILITY" in r) or ("needs torch" in r) for r in backend.why_not(call))
         assert backends.select(call).name != "flex"
         return
 

@@ -19,7 +19,8 @@ warning, that key stays on ``blocked`` for good, and the call is answered by ``b
 ``ATEN_CPU_CAPABILITY`` set (torch's CPU kernels forced, as the project's numerics job does) nothing is
 compiled: under ``default`` inductor's flex template does not build (``at::vec::transpose_block`` missing),
 and a process with a forced capability was seen reusing on-disk kernels compiled under another one, with
-wrong results (torch 2.13, max error 2.07 against eager FlexAttention).
+wrong results (torch 2.13, max error 2.07 against eager FlexAttention). Before torch 2.13
+(:data:`VERIFIED`) it is not used: torch 2.8's template emits C++ that does not compile.
 
 Only calls whose sole masking is a mask function take this path: no dense mask or bias, segment ids,
 causal flag, bias function, softcap or sinks; no autograd; float32; Dk == Dv. The function is the
@@ -56,6 +57,9 @@ __all__ = ["CAPACITY", "COARSE", "HOT", "MIN_SCORES", "TILE", "CpuFlex"]
 
 log = logging.getLogger(__name__)
 
+_TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
+VERIFIED = (2, 13)  # the first torch whose CPU flex kernel this library checked (2.8's does not build)
 HOT = 2  # calls of one (function, shape) before auto routing compiles it
 MIN_SCORES = DENSE_LIMIT  # B*H*Lq*Lk above which it serves: where sdpa's dense path stops serving functions
 TILE = 64  # the small tile: queries and keys of one tile where it spares computed pairs ...
@@ -119,6 +123,11 @@ class CpuFlex:
     def why_not(self, call: AttentionCall) -> Iterator[str]:
         """Every reason compiled FlexAttention on the CPU cannot serve ``call``."""
         q, m = call.q, call.masks
+        if _TORCH < VERIFIED:
+            yield (
+                f"compiled flex on the CPU needs torch >= {VERIFIED[0]}.{VERIFIED[1]} (on torch 2.8 inductor's "
+                f"flex template emits C++ that does not build); this is {torch.__version__}, blocked serves"
+            )
         if m.mask_fn is None:
             yield "compiled flex on the CPU serves calls with a mask function (mask=fn or a BlockMask)"
         scores = q.shape[0] * q.shape[1] * q.shape[2] * call.k.shape[2]

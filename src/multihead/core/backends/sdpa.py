@@ -12,7 +12,10 @@ Equals::
                                    dropout_p=dropout, is_causal=causal, scale=scale,
                                    enable_gqa=Hkv < H)
 
-with rows that have no allowed key set to zero. Grouped-query heads use ``enable_gqa``: K/V are never
+with rows that have no allowed key set to zero. On the CPU, right-padded keys given by a bool mask alone
+(``valid_lens``, a key-padding mask, an encoder's padding mask from transformers) run row by row against
+each row's real keys, unmasked, where that saves more than the extra kernel calls cost: a padded batch
+costs its real keys. Grouped-query heads use ``enable_gqa``: K/V are never
 repeated, q is never copied, and the native causal kernel still applies.
 
 Sinks (per-head logits in the softmax denominator) are exact here: one extra key of zeros with value
@@ -25,16 +28,21 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..checks import is_tracing
 from ..masks import attn_mask as additive
-from ..masks import causal, materialize, to_bias
+from ..masks import causal, key_prefix, materialize, to_bias
 from ..segments import packed_runs
 from ._common import DENSE_LIMIT, dense_refusal, kv_for_cpu_kernel, zero_dead_rows
 from .base import AttentionCall, Deferral
+
+if TYPE_CHECKING:
+    from ..masks import Normalized
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -88,6 +96,54 @@ def _packed_on_cpu(call: AttentionCall) -> bool:
     return 2 * pairs <= q.shape[0] * q.shape[2] * call.k.shape[2]
 
 
+ROW_CALL_FLOPS = 4e6
+"""The work one kernel call of its own costs, in FLOPs a row's truncation must save to pay for it (about
+40 us of call overhead against ~50 GFLOP/s of attention on a CPU core, with a margin of 2)."""
+
+
+def _short_rows(call: AttentionCall, m: Normalized) -> Tensor | None:
+    """(B,) key counts where ``call`` is right-padded keys -- every query of row b sees keys 0..n[b]-1,
+    by a bool mask alone (``valid_lens``, a key-padding mask, transformers' encoder padding) -- on the CPU,
+    and cutting each row's keys to n[b] saves more work than the B kernel calls cost; else ``None``."""
+    q, k = call.q, call.k
+    if q.device.type != "cpu" or m.mask is None or m.bias is not None or m.causal or call.sinks is not None:
+        return None
+    b, h, lq, dk = q.shape
+    if b == 1 and m.mask.shape[0] == 1 and m.mask.shape[3] == k.shape[2] and not bool((~m.mask).any()):
+        return None
+    if is_tracing() or m.mask.shape[3] != k.shape[2]:
+        return None
+    n = key_prefix(m.mask)  # (B|1,)
+    if n is None:
+        return None
+    n = n.expand(b)  # (B,)
+    saved = 4 * h * lq * (dk + call.v.shape[3]) / 2 * int(b * k.shape[2] - n.sum())
+    return n if saved > ROW_CALL_FLOPS * b else None
+
+
+def _by_rows(call: AttentionCall, lengths: Tensor) -> Tensor:
+    """Each batch row b against its first ``lengths[b]`` keys, unmasked (rows with none: output 0)
+    -> (B, H, Lq, Dv); one split of K/V's rows and one ``cat`` of the outputs (autograd follows)."""
+    q, k, v = call.q, call.k, call.v
+    out = []
+    for b, n in enumerate(lengths.tolist()):
+        if n == 0:
+            out.append(q.new_zeros(1, q.shape[1], q.shape[2], v.shape[3]))
+            continue
+        kb, vb = kv_for_cpu_kernel(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n])
+        out.append(
+            F.scaled_dot_product_attention(
+                q[b : b + 1],
+                kb,
+                vb,
+                dropout_p=call.dropout,
+                scale=call.scale,
+                enable_gqa=kb.shape[1] != q.shape[1],
+            )  # fmt: skip
+        )  # (1, H, Lq, Dv)
+    return torch.cat(out)  # (B, H, Lq, Dv)
+
+
 class SDPABackend:
     """``dense_limit``: the largest B*H*Lq*Lk grid it evaluates mask/bias functions and segment ids on."""
 
@@ -121,6 +177,9 @@ class SDPABackend:
     def __call__(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         q, k, v = call.q, call.k, call.v
         m = materialize(call.masks, (*q.shape[:3], k.shape[2]), q.dtype, q.device)  # no-op without functions
+        lengths = _short_rows(call, m)
+        if lengths is not None:  # right-padded keys: each row attends its real keys only
+            return zero_dead_rows(_by_rows(call, lengths), m.row_ok), None  # re-opened dead rows: 0
         attn_mask = additive(m.mask, m.bias)  # (B|1, H|1, Lq|1, Lk|1) bool or float, or None
         is_causal = m.causal
         if call.sinks is not None:

@@ -38,6 +38,7 @@ __all__ = [
     "index_grid",
     "key_padding",
     "key_padding_from_tokens",
+    "key_prefix",
     "segment_mask",
     "sliding_window",
     "to_bias",
@@ -154,6 +155,21 @@ def key_padding(keep: Tensor) -> Tensor:
             f"{tuple(keep.shape)} dtype {keep.dtype}; convert with `keep = lengths_or_mask.bool()`"
         )
     return keep[:, None, None, :]  # (B, 1, 1, Lk)
+
+
+def key_prefix(keep: Tensor) -> Tensor | None:
+    """(B,) lengths ``n`` when the bool mask ``keep`` (B|1, 1, Lq|1, Lk) lets every query of row ``b`` see
+    exactly the keys ``0 .. n[b]-1`` (right padding, ``valid_lens`` per row, transformers' padding mask of
+    an encoder); ``None`` for any other mask. One pass over ``keep``; reads values (not for tracing)."""
+    if keep.dtype != torch.bool or keep.dim() != 4 or keep.shape[1] != 1:
+        return None
+    first = keep[:, :, :1]  # (B|1, 1, 1, Lk): the first query's keys
+    if keep.shape[2] > 1 and not bool((keep == first).all()):
+        return None
+    lk = keep.shape[3]
+    n = first.reshape(-1, lk).sum(-1)  # (B|1,)
+    prefix = torch.arange(lk, device=keep.device) < n[:, None]  # (B|1, Lk)
+    return n if torch.equal(first.reshape(-1, lk), prefix) else None
 
 
 def key_padding_from_tokens(tokens: Tensor, pad_id: int) -> Tensor:

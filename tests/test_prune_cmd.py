@@ -336,12 +336,12 @@ def _reload(out, cls):
 
 @pytest.fixture(scope="module")
 def minilm_pruned(tmp_path_factory):
-    """all-MiniLM-L6-v2 pruned by a quarter (one scoring round, 5 recovery steps): (report, folder)."""
+    """all-MiniLM-L6-v2 pruned by a quarter (5 recovery steps): (report, folder)."""
     root = tmp_path_factory.mktemp("minilm")
     data = root / "lines.txt"
     data.write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
     out = root / "pruned"
-    opts = options(minilm_dir(), data, out, heads="0.25", recover=5, rounds=1)
+    opts = options(minilm_dir(), data, out, heads="0.25", recover=5)
     return P.run(opts, echo=lambda _: None), out
 
 

@@ -62,11 +62,9 @@ class Options:
     truncate: bool = False
     batch_size: int = 16
     lr: float = 2e-4
-    rounds: int = 3  # prune in this many score -> prune rounds
     held_out: float = 0.2  # of the texts, measured on only (the report's quality)
     validation: float = 0.1  # of the texts, to choose between stages and stop recovery early
-    score_texts: int = 512  # training texts the importance scores are computed on (at most)
-    refit_texts: int = 1024  # training texts the output projections are refit on (at most)
+    refit_texts: int = 1024  # training texts the heads are chosen and the projections refit on (at most)
     eval_every: int = 40  # recovery steps between validation checks
     patience: int = 2  # validation checks without improvement before recovery stops
     seed: int = 0

@@ -27,8 +27,10 @@ from .objectives import Batch, Objective
 
 __all__ = ["RIDGE", "LeastSquares", "Projection", "output_fits", "output_projection", "refit"]
 
-RIDGE = 1e-3
-"""Ridge of the fit, relative to the mean diagonal of X^T X (keeps it solvable with few tokens)."""
+RIDGE = 1e-2
+"""Ridge of the fit, relative to the mean diagonal of X^T X (keeps it solvable with few tokens). On
+all-MiniLM-L6-v2 and two real-text corpora, 1e-2 gave the best validation quality of 1e-4, 1e-3, 1e-2 and
+1e-1 at ``--heads`` 0.25 and 0.5 (+0.001 to +0.004 over 1e-3; 1e-1 was worse everywhere)."""
 
 
 class LeastSquares:

@@ -29,8 +29,9 @@ __all__ = ["RIDGE", "LeastSquares", "Projection", "output_fits", "output_project
 
 RIDGE = 1e-2
 """Ridge of the fit, relative to the mean diagonal of X^T X (keeps it solvable with few tokens). On
-all-MiniLM-L6-v2 and two real-text corpora, 1e-2 gave the best validation quality of 1e-4, 1e-3, 1e-2 and
-1e-1 at ``--heads`` 0.25 and 0.5 (+0.001 to +0.004 over 1e-3; 1e-1 was worse everywhere)."""
+all-MiniLM-L6-v2, 1e-2 gave the best validation quality of 1e-4, 1e-3, 1e-2 and 1e-1 on both real-text
+corpora of ``benchmarks/bench_prune.py`` at ``--heads`` 0.5 and on package-docs at 0.25 (+0.001 to +0.004
+over 1e-3; 1e-1 was worse wherever it was measured)."""
 
 
 class LeastSquares:

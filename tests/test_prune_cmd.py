@@ -552,7 +552,7 @@ def test_fifty_lines_work_and_warn(tmp_path, folders, capsys):
                      "--out", str(out)])  # fmt: skip
     printed = capsys.readouterr().out
     assert code == 0 and (out / "model.safetensors").is_file()
-    assert "50 texts: 35 to score, refit and recover on, 5 to validate, 10 held out" in printed
+    assert "50 texts: 35 to choose heads, refit and recover on, 5 to validate, 10 held out" in printed
     assert "warning: only 50 texts" in printed and "may not carry over" in printed
     report = json.loads((out / "prune_report.json").read_text())
     assert report["texts"]["total"] == 50 and "only 50 texts" in report["warning"]

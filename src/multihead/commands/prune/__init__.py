@@ -1,4 +1,5 @@
-"""``multihead prune``: score a checkpoint's heads on your text, prune them, refit, recover, measure, save.
+"""``multihead prune``: choose the heads of a checkpoint the refit can make up for on your text, prune them,
+refit, recover, measure, save.
 
 Dimensions: B batch, L tokens, E hidden width, V vocabulary, N texts, P = N (N - 1) / 2 pairs.
 

@@ -59,7 +59,7 @@ class Job:
         return (
             f"{self.loaded.path}: {self.loaded.kind} ({type(self.loaded.model).__name__}), {total} heads in "
             f"{len(self.counts)} layers; objective: {self.objective.name}; pruning {self.n} heads; "
-            f"{len(s.train) + len(s.validation) + len(s.held_out)} texts: {len(s.train)} to score, refit and "
+            f"{len(s.train) + len(s.validation) + len(s.held_out)} texts: {len(s.train)} to choose heads, refit and "
             f"recover on, {len(s.validation)} to validate, {len(s.held_out)} held out"
         )
 

@@ -36,7 +36,7 @@ DEFAULT_RECOVER = 240
 
 MIN_HELD_OUT = 8  # texts the reported quality is measured on (28 pairs for the Spearman of similarities)
 MIN_VALIDATION = 4  # texts that choose between stages and stop recovery
-MIN_TRAIN = 8  # texts that score the heads, refit and recover on
+MIN_TRAIN = 8  # texts that choose the heads, refit and recover on
 MIN_TEXTS = MIN_HELD_OUT + MIN_VALIDATION + MIN_TRAIN
 """The fewest texts ``multihead prune`` works with: fewer is a usage error naming this number."""
 
@@ -141,7 +141,7 @@ def check_out(out: Path) -> None:
 
 @dataclass(frozen=True)
 class Splits:
-    """The texts, split: ``train`` (score, refit, recover), ``validation`` (choose stages, stop recovery),
+    """The texts, split: ``train`` (choose heads, refit, recover), ``validation`` (choose stages, stop recovery),
     ``held_out`` (measured only: the quality the report states)."""
 
     train: list[str]

@@ -197,6 +197,11 @@ def markdown(res: dict) -> str:
         "from templates by the project (no target: for comparison). Every fourth sentence is held out from the "
         "command (*external*); the command splits the rest into train / validation / held out itself.",
         "",
+        "Stages: *pruned*: the heads the least-squares refit can best make up for, removed (greedy across "
+        "layers by refit residual, `prune.choose_compensable`); *+ refit*: each pruned layer's output "
+        "projection refit by least squares (ridge 1e-2), layer after layer on the pruned model's own inputs; "
+        "*+ recovery*: distillation toward the original, early-stopped on the validation split.",
+        "",
         "Quality: Spearman rank correlation of the pruned model's pairwise sentence similarities (cosine of "
         "mean-pooled embeddings) with the original's. Stage columns: on the command's own held-out split "
         "(never trained on, never used to choose); a stage is kept only when it improves the validation "

@@ -336,12 +336,12 @@ def _reload(out, cls):
 
 @pytest.fixture(scope="module")
 def minilm_pruned(tmp_path_factory):
-    """all-MiniLM-L6-v2 pruned by a quarter (one scoring round, 5 recovery steps): (report, folder)."""
+    """all-MiniLM-L6-v2 pruned by a quarter (5 recovery steps): (report, folder)."""
     root = tmp_path_factory.mktemp("minilm")
     data = root / "lines.txt"
     data.write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
     out = root / "pruned"
-    opts = options(minilm_dir(), data, out, heads="0.25", recover=5, rounds=1)
+    opts = options(minilm_dir(), data, out, heads="0.25", recover=5)
     return P.run(opts, echo=lambda _: None), out
 
 
@@ -552,7 +552,7 @@ def test_fifty_lines_work_and_warn(tmp_path, folders, capsys):
                      "--out", str(out)])  # fmt: skip
     printed = capsys.readouterr().out
     assert code == 0 and (out / "model.safetensors").is_file()
-    assert "50 texts: 35 to score, refit and recover on, 5 to validate, 10 held out" in printed
+    assert "50 texts: 35 to choose heads, refit and recover on, 5 to validate, 10 held out" in printed
     assert "warning: only 50 texts" in printed and "may not carry over" in printed
     report = json.loads((out / "prune_report.json").read_text())
     assert report["texts"]["total"] == 50 and "only 50 texts" in report["warning"]

@@ -1,4 +1,5 @@
-"""``multihead prune``: score a checkpoint's heads on your text, prune them, refit, recover, measure, save.
+"""``multihead prune``: choose the heads of a checkpoint the refit can make up for on your text, prune them,
+refit, recover, measure, save.
 
 Dimensions: B batch, L tokens, E hidden width, V vocabulary, N texts, P = N (N - 1) / 2 pairs.
 
@@ -8,9 +9,10 @@ Dimensions: B batch, L tokens, E hidden width, V vocabulary, N texts, P = N (N -
    and split it by a fixed rule (:func:`split_texts`): 20% held out (measured only: the quality the report
    states), 10% validation (chooses between stages and stops recovery), the rest to work on; fewer than
    :data:`MIN_TEXTS` texts is a usage error, fewer than :data:`FEW_TEXTS` a warning;
-2. pick the checkpoint's objective (:data:`OBJECTIVES`: one class per kind, :mod:`.objectives`) and score
-   the heads with :func:`multihead.heads.importance` of its loss; prune the least important in a few
-   rounds, rescoring after each (:mod:`.choose`; no layer is ever emptied);
+2. pick the checkpoint's objective (:data:`OBJECTIVES`: one class per kind, :mod:`.objectives`) and choose
+   the heads the refit can best make up for: greedily, across layers, the head whose removal leaves the
+   least of its layer's output (relative to that output's spread) outside what a least-squares map of
+   the kept heads reproduces (:func:`choose_compensable`, :mod:`.choose`; no layer is ever emptied);
 3. refit each pruned layer's output projection by least squares so that the kept heads reproduce the
    original layer's output on the training tokens (:mod:`.refit`);
 4. recover: distil toward the original (:mod:`.recover`), stopped early on the validation texts;
@@ -21,7 +23,7 @@ Dimensions: B batch, L tokens, E hidden width, V vocabulary, N texts, P = N (N -
    files, and ``prune_report.json`` / ``prune_report.md`` (:mod:`.report`).
 """
 
-from .choose import check_prunable, choose_and_prune
+from .choose import check_prunable, choose_and_prune, choose_compensable, compensable_heads
 from .command import Job, Stages, options_from, prepare, run
 from .inputs import (
     DEFAULT_RECOVER,
@@ -51,7 +53,7 @@ from .objectives import (
     spearman,
 )
 from .recover import Recovery, recover
-from .refit import LeastSquares, output_projection, refit
+from .refit import LeastSquares, output_fits, output_projection, refit
 from .report import markdown
 
 __all__ = [
@@ -74,6 +76,8 @@ __all__ = [
     "Stages",
     "check_prunable",
     "choose_and_prune",
+    "choose_compensable",
+    "compensable_heads",
     "contrastive_loss",
     "embed",
     "encode",
@@ -81,6 +85,7 @@ __all__ = [
     "make_batches",
     "markdown",
     "options_from",
+    "output_fits",
     "output_projection",
     "pair_similarities",
     "parse_heads",

@@ -1,18 +1,36 @@
-"""Choosing the heads to prune: importance under the checkpoint's objective, in rounds, rescoring after each."""
+"""Choosing the heads to prune.
+
+Dimensions: n tokens, H heads of a module, Dv a head's value width, I = H * Dv, O the projection's output.
+
+:func:`choose_compensable` (what ``multihead prune`` uses): a head can go when the least-squares refit
+(:mod:`.refit`) can make up for it. For a module whose output projection maps the heads' merged contexts
+``x`` (n, I) to ``y`` (n, O), keeping the heads ``K`` leaves the residual ``r(K) = min ||[x_K 1] A - y||^2``
+(what the best linear map of the kept heads' columns cannot reproduce, :meth:`LeastSquares.residual`),
+divided by the module's output energy about its mean (:meth:`LeastSquares.spread`) so that modules compare
+on one scale. Greedily, over every module at once, the head whose removal raises its module's normalised
+residual the least goes next, ``n`` times; no module is emptied. On all-MiniLM-L6-v2 and two real-text
+corpora this beat the gradient importance of :func:`choose_and_prune` (in 3 rounds) after the refit by
++0.003 to +0.055 in held-out Spearman (``benchmarks/results/prune.md``).
+
+:func:`choose_and_prune`: Michel et al.'s importance of the objective's loss, in rounds, rescoring after
+each (kept for comparison and for callers that want the loss-driven choice).
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
+import torch
 from torch import nn
 
 from ... import heads as heads_tools
 from ...heads.naming import attention_modules, family_of, module_heads
 from .inputs import PruneError
 from .objectives import Batch, Objective
+from .refit import LeastSquares, output_fits, output_projection
 
-__all__ = ["check_prunable", "choose_and_prune", "spread_subset"]
+__all__ = ["check_prunable", "choose_and_prune", "choose_compensable", "compensable_heads", "spread_subset"]
 
 
 def check_prunable(model: nn.Module) -> dict[str, int]:
@@ -63,6 +81,72 @@ def choose_and_prune(
             origin[name] = [o for i, o in enumerate(origin[name]) if i not in hs]
         current = heads_tools.prune(current, drop)
     return current, {k: sorted(v) for k, v in removed.items() if v}
+
+
+def compensable_heads(
+    fits: Mapping[str, LeastSquares],
+    heads: Mapping[str, int],
+    n: int,
+    *,
+    bias: Mapping[str, bool] | None = None,
+) -> dict[str, list[int]]:
+    """The ``n`` heads to remove, ``{module: sorted head indices}``, chosen greedily by refit residual.
+
+    ``fits[name]`` holds the normal equations of module ``name``'s output projection (input columns
+    ``[h * Dv, (h + 1) * Dv)`` are head ``h``'s, ``Dv = I / heads[name]``); ``bias[name]``: whether its
+    refit has an intercept (default True). Each step removes the head whose removal raises its module's
+    residual (:meth:`LeastSquares.residual`) divided by the module's :meth:`LeastSquares.spread` the least;
+    a module keeps at least one head. Ties go to the earlier module and the lower head.
+    """
+    kept = {name: list(range(h)) for name, h in heads.items()}
+    width = {name: len(fits[name].gram) - 1 for name in heads}
+    scale = {name: max(fits[name].spread(), 1e-30) for name in heads}
+    with_bias = {name: True if bias is None else bias[name] for name in heads}
+
+    def residual(name: str, keep: list[int]) -> float:
+        dv = width[name] // heads[name]
+        cols = torch.cat([torch.arange(h * dv, (h + 1) * dv) for h in keep])  # (len(keep) * Dv,)
+        return fits[name].residual(cols, bias=with_bias[name]) / scale[name]
+
+    now = {name: residual(name, kept[name]) for name in heads}
+    best: dict[str, tuple[float, int]] = {}  # module -> (rise of its residual, head) of its cheapest head
+
+    def cheapest(name: str) -> None:
+        if len(kept[name]) == 1:
+            best[name] = (math.inf, -1)
+            return
+        best[name] = min(
+            (residual(name, [k for k in kept[name] if k != h]) - now[name], h) for h in kept[name]
+        )
+
+    for name in heads:
+        cheapest(name)
+    removed: dict[str, list[int]] = {name: [] for name in heads}
+    for _ in range(n):
+        name = min(best, key=lambda k: best[k][0])
+        rise, h = best[name]
+        if h < 0:
+            raise ValueError(f"cannot remove {n} heads: every module is down to one head")
+        kept[name].remove(h)
+        removed[name].append(h)
+        now[name] += rise
+        cheapest(name)
+    return {name: sorted(hs) for name, hs in removed.items() if hs}
+
+
+def choose_compensable(
+    model: nn.Module, batches: Sequence[Batch], objective: Objective, n: int
+) -> tuple[nn.Module, dict[str, list[int]]]:
+    """Prune the ``n`` heads the refit can best make up for (:func:`compensable_heads`, on the output
+    projections' maps over the real tokens of ``batches``). Returns the pruned copy and the removed heads
+    per module."""
+    fits = output_fits(model, batches, objective)
+    modules = attention_modules(model)
+    bias = {name: output_projection(model, name, m).has_bias for name, m in modules.items()}
+    counts = heads_tools.head_counts(model)
+    heads = {name: h for name, h in counts.items() if name in fits}  # the modules that ran
+    removed = compensable_heads(fits, heads, n, bias=bias)
+    return heads_tools.prune(model, removed), removed
 
 
 def _counted(batches: Sequence[Batch], progress: Callable[[], None] | None) -> Iterator[Batch]:

@@ -16,7 +16,7 @@ from ...bench.pair import machine
 from ...progress import Progress
 from .. import model_dir
 from ..training import count_params
-from .choose import check_prunable, choose_and_prune, spread_subset
+from .choose import check_prunable, choose_compensable, spread_subset
 from .inputs import (
     FEW_TEXTS,
     Options,
@@ -59,7 +59,7 @@ class Job:
         return (
             f"{self.loaded.path}: {self.loaded.kind} ({type(self.loaded.model).__name__}), {total} heads in "
             f"{len(self.counts)} layers; objective: {self.objective.name}; pruning {self.n} heads; "
-            f"{len(s.train) + len(s.validation) + len(s.held_out)} texts: {len(s.train)} to score, refit and "
+            f"{len(s.train) + len(s.validation) + len(s.held_out)} texts: {len(s.train)} to choose heads, refit and "
             f"recover on, {len(s.validation)} to validate, {len(s.held_out)} held out"
         )
 
@@ -101,10 +101,7 @@ def _batch(job: Job, opts: Options) -> None:
         "validation": make_batches(job.ids["validation"], tok, obj, size, opts.seed + 3),
         "held_out": make_batches(job.ids["held_out"], tok, obj, size, opts.seed + 1),
     }
-    job.batches["score"] = spread_subset(job.batches["train"], opts.score_texts)
     job.batches["refit"] = spread_subset(job.batches["train"], opts.refit_texts)
-    for name in ("score", "mixed"):
-        obj.prepare(job.loaded.model, job.batches[name])
 
 
 class Stages:
@@ -144,11 +141,8 @@ class Stages:
 
 
 def _prune(job: Job, opts: Options) -> tuple[nn.Module, dict[str, list[int]]]:
-    rounds = max(1, min(opts.rounds, job.n))
-    with Progress(rounds * len(job.batches["score"]), "score", enabled=opts.progress) as bar:
-        return choose_and_prune(
-            job.loaded.model, job.batches["score"], job.objective, job.n, rounds, lambda: bar.update(1)
-        )
+    """Choose the heads the refit can best make up for (:func:`choose_compensable`) and prune them."""
+    return choose_compensable(job.loaded.model, job.batches["refit"], job.objective, job.n)
 
 
 def _refit(

@@ -3,7 +3,8 @@
 Dimensions: B batch, L tokens, L' a hidden state's tokens, E hidden width, V vocabulary, N texts,
 P = N (N - 1) / 2 pairs of texts.
 
-Each :class:`Objective` holds its labels (:meth:`~Objective.labels`), its loss (head importance),
+Each :class:`Objective` holds its labels (:meth:`~Objective.labels`), its loss (head importance for
+:func:`~multihead.commands.prune.choose_and_prune`; the command itself chooses by refit residual),
 its distillation term (:meth:`~Objective.distill`) and its held-out quality (:meth:`~Objective.quality`):
 
 ==================== ================== ============================== ==============================

@@ -38,7 +38,7 @@ from .blocks import (
     prepare,
 )
 
-__all__ = ["ring_attention", "ring_with_plan"]
+__all__ = ["PIECE_KEYS", "auto_pieces", "ring_attention", "ring_with_plan"]
 
 # P2P tags: K, V, the key mask, dK and dV may all be in flight between the same two ranks at once
 _TAG_K, _TAG_V, _TAG_MASK, _TAG_DK, _TAG_DV, _TAG_IDS = 1, 2, 3, 4, 5, 6
@@ -383,7 +383,7 @@ def ring_attention(
         scale=scale,
         segment_ids=segment_ids,
         block_kernel=block_kernel,
-        pieces=_auto_pieces(k) if kv_pieces is None else kv_pieces,
+        pieces=auto_pieces(k) if kv_pieces is None else kv_pieces,
     )
     return ring_with_plan(q, k, v, key_mask, plan)
 
@@ -392,7 +392,8 @@ PIECE_KEYS = 1024
 """With ``kv_pieces=None`` a K/V shard travels in pieces of at least this many keys (at most 4 pieces)."""
 
 
-def _auto_pieces(k: Tensor) -> int:
+def auto_pieces(k: Tensor) -> int:
+    """How many pieces a K/V shard (B, Hkv, m, D) travels in by default."""
     return max(1, min(4, k.shape[2] // PIECE_KEYS)) if isinstance(k, Tensor) and k.dim() == 4 else 1
 
 

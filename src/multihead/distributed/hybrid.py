@@ -110,6 +110,8 @@ def hybrid_attention(
     key_mask: Tensor | None = None,
     segment_ids: Tensor | tuple[Tensor, Tensor] | None = None,
     scale: float | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
     head_chunks: int | None = None,
 ) -> Tensor:
     """Exact attention over a sequence sharded across ``groups.group``: Ulysses within, ring across.
@@ -118,12 +120,20 @@ def hybrid_attention(
     k (B, Hkv, Lk_r, Dk), v (B, Hkv, Lk_r, Dv) this rank's shards cut in ``layout`` -> (B, H, Lq_r, Dv),
     differentiable. ``groups`` from :meth:`HybridGroups.create` (made once, e.g. by
     :func:`~multihead.distributed.context_parallel`). ``ulysses_size`` may not exceed H.
-    ``head_chunks``: as :func:`~multihead.distributed.ulysses_attention` (None: one chunk per K/V head
-    a rank holds, at long lengths).
+    ``softcap``, ``sinks`` (H,): as :func:`~multihead.distributed.ring_attention`. ``head_chunks``: as
+    :func:`~multihead.distributed.ulysses_attention` (None: one chunk per K/V head a rank holds, at long
+    lengths).
     """
     check_head_chunks(head_chunks)
     if alone(groups.group):  # one rank: plain attention
-        options = AttentionOptions(causal=causal, scale=scale, valid_lens=valid_lens, segment_ids=segment_ids)
+        options = AttentionOptions(
+            causal=causal,
+            scale=scale,
+            valid_lens=valid_lens,
+            segment_ids=segment_ids,
+            softcap=softcap,
+            sinks=sinks,
+        )
         return attend_alone(q, k, v, options, key_mask, layout, "auto")
     plan = make_plan(
         q,
@@ -138,6 +148,8 @@ def hybrid_attention(
         segment_ids=segment_ids,
         strategy="hybrid",
         pieces=auto_pieces(k),
+        softcap=softcap,
+        sinks=sinks,
     )
     u = groups.ulysses_size
     if u > plan.heads:
@@ -146,9 +158,11 @@ def hybrid_attention(
             f"{plan.heads} (or None to choose)"
         )
     if u == 1:  # groups of one: the ring over every rank, no exchange
-        return ring_with_plan(q, k, v, key_mask, plan)
+        return ring_with_plan(q, k, v, key_mask, plan, sinks)
     if u == plan.world:  # one group: Ulysses, no ring
-        options = AttentionOptions(causal=causal, valid_lens=valid_lens, segment_ids=segment_ids)
+        options = AttentionOptions(
+            causal=causal, valid_lens=valid_lens, segment_ids=segment_ids, softcap=softcap, sinks=sinks
+        )
         return ulysses_with_plan(q, k, v, key_mask, plan, options, "auto", head_chunks)
     g = plan.rank // u
     members = range(g * u, (g + 1) * u)
@@ -190,8 +204,10 @@ def hybrid_attention(
             strategy="hybrid",
             positions=(q_union, k_union),
             pieces=auto_pieces(x.k),
+            softcap=softcap,
         )
-        return ring_with_plan(x.q, x.k, x.v, keep, ring)  # (B, w, N_g, Dv)
+        mine = None if sinks is None else sinks[x.first : x.first + x.q.shape[1]]  # the chunk's heads
+        return ring_with_plan(x.q, x.k, x.v, keep, ring, mine)  # (B, w, N_g, Dv)
 
     return attend_in_chunks(
         q, k, v, shares, (rel_q, rel_k), groups.ulysses, counts, attend

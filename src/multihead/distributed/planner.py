@@ -211,10 +211,10 @@ def plan(
     heavy = share * u
     rtf, rtb = ring_time(kv_group, r, compute_fwd * heavy, compute_bwd * heavy)
     msgs = 2 * (u - 1) * rates.latency
-    if u == 1:  # groups of one: the plain ring, no exchange
-        extra_h = _ring(
+    if u == 1:  # groups of one: the plain ring (no exchange, no chunks)
+        extra_h, rf, rb = _ring(
             batch=batch, tokens=n, heads=heads, kv_heads=hkv, dim=head_dim, ranks=r, b=b, pieces=pieces
-        )[0]
+        )
     elif r == 1:  # one group: plain Ulysses, no ring
         extra_h = extra_u
     else:

@@ -29,7 +29,18 @@ from ..core.checks import check_scale, check_softcap
 from .blocks import KERNELS, Block, choose_kernel, make_block, shares_ids
 from .sharding import LAYOUTS, check_layout, positions_from_lengths, split_region, visible_region
 
-__all__ = ["STRATEGIES", "Meta", "PeerLost", "Plan", "Shard", "agree", "agree_on", "answered", "make_plan"]
+__all__ = [
+    "STRATEGIES",
+    "Meta",
+    "PeerLost",
+    "Plan",
+    "Shard",
+    "agree",
+    "agree_on",
+    "answered",
+    "check_head_chunks",
+    "make_plan",
+]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 STRATEGIES = ("ring", "ulysses", "hybrid")
@@ -66,6 +77,7 @@ class Meta(NamedTuple):
     pieces: int  # K/V shards travel in this many pieces
     softcap: int  # 1: softcap given
     sinks: int  # 1: sinks given
+    head_chunks: int  # Ulysses' head chunks as asked (0: None, chosen from the size)
 
 
 # fields that may differ between ranks (no key_mask: all keys real; pieces: the smallest count is used)
@@ -161,6 +173,16 @@ def _comm_device(group: Any, like: object) -> torch.device:
     return torch.device("cpu")
 
 
+def check_head_chunks(head_chunks: object) -> None:
+    """``head_chunks`` is None or a positive int (else a ValueError that says so)."""
+    if head_chunks is not None and (
+        isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1
+    ):
+        raise ValueError(
+            f"head_chunks must be a positive int (chunks of heads per exchange) or None, got {head_chunks!r}"
+        )
+
+
 def _local_meta(
     q: Tensor,
     k: Tensor,
@@ -176,6 +198,7 @@ def _local_meta(
     pieces: int,
     softcap: float | None,
     sinks: Tensor | None,
+    head_chunks: int | None,
 ) -> tuple[Meta, tuple[Tensor, Tensor] | None]:
     """This rank's :class:`Meta`; raises what is wrong with its own inputs."""
     check_qkv(q, k, v)
@@ -200,6 +223,7 @@ def _local_meta(
     ids = None if segment_ids is None else _masks.check_segment_ids(segment_ids, b, lq, lk, q.device)
     check_softcap(softcap)
     check_sinks(sinks, q)
+    check_head_chunks(head_chunks)
     if softcap is not None and block_kernel == "flash":
         raise ValueError(
             "block_kernel='flash' cannot apply softcap (the fused kernel has no cap); use 'auto'"
@@ -224,6 +248,7 @@ def _local_meta(
         pieces=pieces,
         softcap=int(softcap is not None),
         sinks=int(sinks is not None),
+        head_chunks=head_chunks or 0,
     )
     return meta, ids
 
@@ -251,6 +276,7 @@ def make_plan(
     pieces: int = 1,
     softcap: float | None = None,
     sinks: Tensor | None = None,
+    head_chunks: int | None = None,
 ) -> Plan:
     """Validate the call on every rank at once; all ranks raise the same kind of error, none hangs.
 
@@ -283,6 +309,7 @@ def make_plan(
             pieces=pieces,
             softcap=softcap,
             sinks=sinks,
+            head_chunks=head_chunks,
         )
         scale = check_scale(scale, q.shape[-1])
     except (TypeError, ValueError) as exc:

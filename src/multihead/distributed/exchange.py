@@ -39,7 +39,6 @@ __all__ = [
     "Route",
     "attend_in_chunks",
     "auto_head_chunks",
-    "check_head_chunks",
     "chunk_heads",
     "gather_tokens",
     "head_split",
@@ -99,16 +98,6 @@ NO_CHUNK = Chunk(range(0), range(0), False)
 CHUNK_ELEMENTS = 1 << 18
 """With ``head_chunks=None`` a rank's query heads of the whole sequence are exchanged in chunks of about
 this many elements (1 MiB of float32), one query head at least."""
-
-
-def check_head_chunks(head_chunks: object) -> None:
-    """``head_chunks`` is None or a positive int (else a ValueError that says so)."""
-    if head_chunks is not None and (
-        isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1
-    ):
-        raise ValueError(
-            f"head_chunks must be a positive int (chunks of heads per exchange) or None, got {head_chunks!r}"
-        )
 
 
 def auto_head_chunks(batch: int, length: int, heads: int, dim: int) -> int:

@@ -33,13 +33,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..core.options import AttentionOptions
-from .agree import make_plan
+from .agree import check_head_chunks, make_plan
 from .exchange import (
     Attend,
     HeadShare,
     attend_in_chunks,
     auto_head_chunks,
-    check_head_chunks,
     gather_tokens,
     head_split,
 )
@@ -124,8 +123,8 @@ def hybrid_attention(
     :func:`~multihead.distributed.ulysses_attention` (None: one chunk per K/V head a rank holds, at long
     lengths).
     """
-    check_head_chunks(head_chunks)
     if alone(groups.group):  # one rank: plain attention
+        check_head_chunks(head_chunks)
         options = AttentionOptions(
             causal=causal,
             scale=scale,
@@ -150,6 +149,7 @@ def hybrid_attention(
         pieces=auto_pieces(k),
         softcap=softcap,
         sinks=sinks,
+        head_chunks=head_chunks,
     )
     u = groups.ulysses_size
     if u > plan.heads:

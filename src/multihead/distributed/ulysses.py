@@ -38,13 +38,12 @@ from torch import Tensor
 
 from ..core.attention import attention_with
 from ..core.options import AttentionOptions
-from .agree import Plan, make_plan
+from .agree import Plan, check_head_chunks, make_plan
 from .exchange import (
     Attend,
     HeadShare,
     attend_in_chunks,
     auto_head_chunks,
-    check_head_chunks,
     gather_tokens,
     head_split,
 )
@@ -134,8 +133,8 @@ def ulysses_attention(
         valid_lens=valid_lens,
         segment_ids=segment_ids,
     )
-    check_head_chunks(head_chunks)
     if alone(group):  # one rank: plain attention, no exchange and no copy
+        check_head_chunks(head_chunks)
         return attend_alone(q, k, v, options, key_mask, layout, backend)
     plan = make_plan(
         q,
@@ -149,6 +148,7 @@ def ulysses_attention(
         scale=scale,
         segment_ids=segment_ids,
         strategy="ulysses",
+        head_chunks=head_chunks,
     )
     return ulysses_with_plan(q, k, v, key_mask, plan, options, backend, head_chunks)
 

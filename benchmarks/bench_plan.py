@@ -4,10 +4,12 @@
 
 1. **Bytes**: every strategy's forward and backward at 2 and 4 gloo ranks, with the collectives wrapped
    to count the bytes each rank sends (P2P sends, all-to-all pieces to other ranks, all-gather inputs
-   times P - 1), against ``plan``'s counts (target: within 5%).
+   times P - 1), against ``plan``'s counts (target: within 5%); Ulysses and hybrid also in 4 head chunks.
 2. **Memory**: peak resident memory per rank of a causal forward at L = 16k over 4 ranks (this rank's
    q, k, v and what the call allocates), against one process's ``multihead.attention`` on the whole
-   sequence (target: <= 0.35x for ring and Ulysses), and against ``plan``'s memory.
+   sequence (target: <= 0.35x for ring and Ulysses), and against ``plan``'s memory; for H = 8, Hkv = 2
+   and for Llama-3-8B's head counts H = 32, Hkv = 8 (Ulysses holds one chunk of heads of the whole
+   sequence, so its floor is 1/P plus about one head in H of the whole tensors).
 3. **Time**: this machine's rates (attention FLOP/s of one process, gloo's bytes/s between two ranks)
    go into ``plan`` as a :class:`~multihead.distributed.Machine`; predicted and measured forward time at
    1, 2 and 4 ranks.
@@ -37,6 +39,8 @@ from multihead.distributed.hybrid import HybridGroups  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPE = {"heads": 8, "kv_heads": 2, "head_dim": 64}
+MANY_HEADS = {"heads": 32, "kv_heads": 8, "head_dim": 64}  # Llama-3-8B's head counts (D = 64 here)
+CASES = (("ring", None), ("ulysses", None), ("ulysses", 4), ("hybrid", None), ("hybrid", 4))  # head_chunks
 
 
 # ------------------------------------------------------------------------------------------------
@@ -82,12 +86,16 @@ class _Counter:
             setattr(dist, n, f)
 
 
-def _call(strategy, q, k, v, groups):
+def _call(strategy, q, k, v, groups, chunks=None):
     if strategy == "ring":
         return mhd.ring_attention(q, k, v, causal=True, layout="zigzag")
     if strategy == "ulysses":
-        return mhd.ulysses_attention(q, k, v, causal=True, layout="zigzag")
-    return mhd.hybrid_attention(q, k, v, groups=groups, causal=True, layout="zigzag")
+        return mhd.ulysses_attention(q, k, v, causal=True, layout="zigzag", head_chunks=chunks)
+    return mhd.hybrid_attention(q, k, v, groups=groups, causal=True, layout="zigzag", head_chunks=chunks)
+
+
+def _name(strategy, chunks):
+    return strategy if chunks is None else f"{strategy} head_chunks={chunks}"
 
 
 def bytes_job(total: int, shape: dict) -> dict:
@@ -96,14 +104,18 @@ def bytes_job(total: int, shape: dict) -> dict:
     groups = HybridGroups.create(dist.group.WORLD, 2 if world >= 4 else 1)
     n = total // world
     res = {}
-    for strategy in ("ring", "ulysses", "hybrid"):
+    for strategy, chunks in CASES:
         q = torch.randn(1, shape["heads"], n, shape["head_dim"], requires_grad=True)
         k, v = (torch.randn(1, shape["kv_heads"], n, shape["head_dim"], requires_grad=True) for _ in range(2))
         with _Counter() as fwd:
-            out = _call(strategy, q, k, v, groups)
+            out = _call(strategy, q, k, v, groups, chunks)
         with _Counter() as bwd:
             out.sum().backward()
-        res[strategy] = {"forward": fwd.sent, "backward": bwd.sent, "ulysses_size": groups.ulysses_size}
+        res[_name(strategy, chunks)] = {
+            "forward": fwd.sent,
+            "backward": bwd.sent,
+            "ulysses_size": groups.ulysses_size,
+        }
     return {"rank": rank, **res}
 
 
@@ -129,6 +141,27 @@ def memory_job(total: int, shape: dict, strategy: str) -> dict:
         seconds = time.perf_counter() - t0
         del out
     return {"peak": mem.peak, "seconds": seconds}
+
+
+def _shape_name(shape: dict) -> str:
+    return f"H={shape['heads']}, Hkv={shape['kv_heads']}, D={shape['head_dim']}"
+
+
+def memory_table(length: int, shape: dict) -> dict:
+    """One process, then each strategy over 4 ranks: peak, ratio to one process, planned, seconds."""
+    mem = {"one process": mhd.launch(memory_job, 1, (length, shape, "ring"), start_method="fork")[0]}
+    for strategy in ("ring", "ulysses", "hybrid"):
+        per_rank = mhd.launch(memory_job, 4, (length, shape, strategy), start_method="fork", timeout=900)
+        mem[strategy] = {
+            "peak": max(r["peak"] for r in per_rank),
+            "seconds": max(r["seconds"] for r in per_rank),
+        }
+    base = mem["one process"]["peak"]
+    for strategy in ("ring", "ulysses", "hybrid"):
+        est = mhd.plan(length, **shape, world=4, dtype_bytes=4, ulysses_size=2)[strategy]
+        mem[strategy] |= {"ratio": mem[strategy]["peak"] / base, "planned": est.memory_bytes}
+    mem["one process"]["planned"] = mhd.plan(length, **shape, world=1, dtype_bytes=4)["ring"].memory_bytes
+    return mem
 
 
 def overhead_job(total: int, shape: dict, rounds: int) -> dict:
@@ -269,12 +302,17 @@ def main() -> None:
     res["bytes"] = {}
     for world in (2, 4):
         per_rank = mhd.launch(bytes_job, world, (args.bytes_len, SHAPE), start_method="fork", timeout=600)
-        for strategy in ("ring", "ulysses", "hybrid"):
-            got = per_rank[0][strategy]
+        for strategy, chunks in CASES:
+            got = per_rank[0][_name(strategy, chunks)]
             est = mhd.plan(
-                args.bytes_len, **SHAPE, world=world, dtype_bytes=4, ulysses_size=got["ulysses_size"]
+                args.bytes_len,
+                **SHAPE,
+                world=world,
+                dtype_bytes=4,
+                ulysses_size=got["ulysses_size"],
+                head_chunks=chunks,
             )[strategy]
-            res["bytes"][f"{strategy} P={world}"] = {
+            res["bytes"][f"{_name(strategy, chunks)} P={world}"] = {
                 "measured_forward": got["forward"],
                 "planned_forward": est.sent_forward,
                 "measured_backward": got["backward"],
@@ -283,24 +321,10 @@ def main() -> None:
                 "ratio_backward": got["backward"] / est.sent_backward,
             }
 
-    # 2. memory (and forward time) at 16k: one process, then 4 ranks of each strategy
-    mem = {"one process": mhd.launch(memory_job, 1, (args.memory_len, SHAPE, "ring"), start_method="fork")[0]}
-    for strategy in ("ring", "ulysses", "hybrid"):
-        per_rank = mhd.launch(
-            memory_job, 4, (args.memory_len, SHAPE, strategy), start_method="fork", timeout=900
-        )
-        mem[strategy] = {
-            "peak": max(r["peak"] for r in per_rank),
-            "seconds": max(r["seconds"] for r in per_rank),
-        }
-    base = mem["one process"]["peak"]
-    for strategy in ("ring", "ulysses", "hybrid"):
-        est = mhd.plan(args.memory_len, **SHAPE, world=4, dtype_bytes=4, ulysses_size=2)[strategy]
-        mem[strategy] |= {"ratio": mem[strategy]["peak"] / base, "planned": est.memory_bytes}
-    mem["one process"]["planned"] = mhd.plan(args.memory_len, **SHAPE, world=1, dtype_bytes=4)[
-        "ring"
-    ].memory_bytes
-    res["memory"] = mem
+    # 2. memory (and forward time) at 16k: one process, then 4 ranks of each strategy, for two head counts
+    res["memory"] = {
+        _shape_name(shape): memory_table(args.memory_len, shape) for shape in (SHAPE, MANY_HEADS)
+    }
 
     # 3. rates and time
     flops = compute_rate(args.time_len, SHAPE, args.rounds)
@@ -353,19 +377,20 @@ def _markdown(res: dict) -> str:
             f"| {case} | {b['measured_forward']} | {b['planned_forward']} | {b['ratio_forward']:.3f} | "
             f"{b['measured_backward']} | {b['planned_backward']} | {b['ratio_backward']:.3f} |"
         )
-    mem = res["memory"]
-    lines += [
-        "",
-        "## Forward peak memory per rank at L = 16k over 4 ranks (resident set, q/k/v included)",
-        "",
-        "| | peak MiB | / one process (target <= 0.35) | planned MiB | forward s |",
-        "|---|---|---|---|---|",
-    ]
-    for name, m in mem.items():
-        ratio = f"{m['ratio']:.2f}" if "ratio" in m else "1"
-        lines.append(
-            f"| {name} | {m['peak'] / 2**20:.1f} | {ratio} | {m['planned'] / 2**20:.1f} | {m['seconds']:.2f} |"
-        )
+    for shape, mem in res["memory"].items():
+        lines += [
+            "",
+            f"## Forward peak memory per rank at L = 16k over 4 ranks ({shape}; resident set, q/k/v included)",
+            "",
+            "| | peak MiB | / one process (target <= 0.35) | planned MiB | forward s |",
+            "|---|---|---|---|---|",
+        ]
+        for name, m in mem.items():
+            ratio = f"{m['ratio']:.3f}" if "ratio" in m else "1"
+            lines.append(
+                f"| {name} | {m['peak'] / 2**20:.1f} | {ratio} | {m['planned'] / 2**20:.1f} | "
+                f"{m['seconds']:.2f} |"
+            )
     r = res["rates"]
     lines += [
         "",

@@ -14,7 +14,8 @@ from test_distributed import _inputs as _ring_inputs
 
 import multihead as mh
 from multihead import distributed as mhd
-from multihead.distributed import blocks
+from multihead.distributed import blocks, exchange
+from multihead.distributed.hybrid import HybridGroups
 from multihead.testing import allowed_error, merge_floor
 
 
@@ -22,6 +23,7 @@ def _case(name, **kw):
     spec = dict(strategy="ulysses", b=2, h=4, hkv=2, lq=12, lk=None, dk=8, dv=None, causal=False)
     spec.update(layout="contiguous", valid=None, key_mask=False, segments=False, sinks=False, softcap=None)
     spec.update(mask_fn=False, bias_fn=False, dtype=torch.float32, pieces=None, seed=sum(map(ord, name)))
+    spec.update(chunks=None, usize=2)  # head_chunks; hybrid: ulysses_size (at most the world size)
     spec.update(kw, name=name)
     return spec
 
@@ -42,6 +44,45 @@ CASES = [
     _case("u-softcap-sinks", causal=True, softcap=2.0, sinks=True, h=6, hkv=3),
     _case("u-mask-bias-fns", mask_fn=True, bias_fn=True, causal=True, layout="zigzag", lq=16),
     _case("u-float64", causal=True, layout="zigzag", dtype=torch.float64, lq=16),
+    # heads in chunks: parts of a group sharing their K/V slot, a slot repeated per query head (H=10,
+    # Hkv=2 over 4 ranks), idle ranks, and every option Ulysses serves
+    _case("u-chunks-parts", h=8, hkv=2, chunks=8, causal=True, layout="zigzag", lq=16),
+    _case("u-chunks-groups", h=6, hkv=3, chunks=2, causal=True, lq=13),
+    _case("u-chunks-repeated", h=10, hkv=2, chunks=2, causal=True, layout="zigzag", lq=16),
+    _case("u-chunks-idle", h=2, hkv=1, chunks=2, causal=True),
+    _case(
+        "u-chunks-options",
+        h=6,
+        hkv=3,
+        chunks=3,
+        causal=True,
+        key_mask=True,
+        segments=True,
+        softcap=2.0,
+        sinks=True,
+        bias_fn=True,
+        valid="BL",
+        lq=16,
+    ),
+    # hybrid: Ulysses groups of usize ranks (at 2 ranks: one group, no ring), the ring across them
+    _case("h-plain", strategy="hybrid", h=4, hkv=2, causal=True, layout="zigzag", lq=16),
+    _case("h-chunks-parts", strategy="hybrid", h=8, hkv=2, chunks=4, causal=True, layout="zigzag", lq=16),
+    _case("h-padded-packed", strategy="hybrid", key_mask=True, segments=True, valid="BL", lq=13, chunks=2),
+    _case("h-ring-only", strategy="hybrid", usize=1, causal=True, layout="zigzag", key_mask=True, lq=16),
+    # softcap (every block) and sinks (merged once per row) in the ring and the hybrid
+    _case("r-softcap-sinks", strategy="ring", softcap=2.0, sinks=True, causal=True, layout="zigzag", lq=16),
+    _case(
+        "r-softcap-sinks-padded",
+        strategy="ring",
+        softcap=1.5,
+        sinks=True,
+        key_mask=True,
+        segments=True,
+        valid="B",
+        lq=21,
+        pieces=2,
+    ),
+    _case("h-softcap-sinks", strategy="hybrid", softcap=2.0, sinks=True, causal=True, lq=16, h=8, chunks=2),
     _case("r-segments", strategy="ring", causal=True, layout="zigzag", segments=True, lq=16),
     _case("r-segments-uneven", strategy="ring", segments=True, key_mask=True, lq=13),
     _case("r-segments-cross", strategy="ring", segments=True, lq=8, lk=12),
@@ -123,8 +164,13 @@ def _cp_case(c, rank, world):
         extra["sinks"] = sinks.to(dtype).requires_grad_()
     if c["strategy"] == "ring":
         out = mhd.ring_attention(*local, layout=layout, kv_pieces=c["pieces"], **lkw, **extra)
+    elif c["strategy"] == "hybrid":
+        groups = HybridGroups.create(dist.group.WORLD, min(c["usize"], world))
+        out = mhd.hybrid_attention(
+            *local, groups=groups, layout=layout, head_chunks=c["chunks"], **lkw, **extra
+        )
     else:
-        out = mhd.ulysses_attention(*local, layout=layout, **lkw, **extra)
+        out = mhd.ulysses_attention(*local, layout=layout, head_chunks=c["chunks"], **lkw, **extra)
     (out * cut(gout).to(dtype)).sum().backward()
     got = [out.detach()] + [t.grad for t in local]
     if sinks is not None:  # each rank holds its heads' share: summed over the group, as a training loop does
@@ -180,7 +226,7 @@ def _failures(per_rank, cases):
             # the 2x rule against the float64 oracle plus the rounding of the merges (testing.merge_floor:
             # the ring merges one partial result per rank and K/V piece); or no farther from it than one
             # process's multihead.attention (Ulysses runs that very kernel on whole sequences)
-            parts = world * (c["pieces"] or 1) if c["strategy"] == "ring" else 1
+            parts = world * (c["pieces"] or 1) if c["strategy"] in ("ring", "hybrid") else 1
             bound = allowed_error(ref, dtype, factor=2.0, floor=merge_floor(dtype, mag, parts))
             bound = max(bound, max(r[f"{key}_one64"] for r in res))
             if fast > bound:
@@ -221,3 +267,89 @@ def test_shares_ids_is_the_block_test():
     assert blocks.shares_ids(q, torch.tensor([[1, 3], [5, 5]]))
     assert not blocks.shares_ids(q, torch.tensor([[2, 2], [0, 1]]))  # ids of the other row do not count
     assert not blocks.shares_ids(q, torch.tensor([[-1, 3], [-1, -1]]))  # padding meets nothing
+
+
+def test_chunks_cover_every_head_once_and_send_each_slot_once():
+    for h, hkv, world in [(8, 2, 4), (6, 2, 4), (10, 2, 4), (8, 2, 3), (12, 4, 2), (5, 5, 3), (2, 1, 4)]:
+        for count in (1, 2, 3, 4, 8, 100):
+            for share in mhd.head_split(h, hkv, world):
+                chunks = exchange.chunk_heads(share, count)
+                assert [i for c in chunks for i in c.q] == list(range(share.heads))
+                sent = [j for c in chunks if c.new_kv for j in c.kv]
+                assert sent == list(range(len(share.kv)))  # each slot once, in order
+                g = share.heads // len(share.kv) if share.heads else 1
+                for c in chunks:  # the chunk's GQA mapping is the share's
+                    per = len(c.q) // len(c.kv)
+                    assert len(c.q) % len(c.kv) == 0
+                    assert [c.kv.start + j // per for j in range(len(c.q))] == [i // g for i in c.q]
+    share = mhd.head_split(8, 4, 2)[0]  # heads 0-3 reading slots 0 0 1 1, as the docstring pictures
+    assert [(list(c.q), list(c.kv), c.new_kv) for c in exchange.chunk_heads(share, 4)] == [
+        ([0], [0], True),
+        ([1], [0], False),
+        ([2], [1], True),
+        ([3], [1], False),
+    ]
+    assert [list(c.q) for c in exchange.chunk_heads(share, 2)] == [[0, 1], [2, 3]]
+    assert exchange.auto_head_chunks(1, 16384, 2, 64) == 2  # 16k tokens: one head a chunk
+    assert exchange.auto_head_chunks(1, 2048, 2, 64) == 1  # short: one exchange of everything
+
+
+class _Bytes:
+    """Counts the bytes this rank sends to other ranks through all_to_all_single."""
+
+    def __init__(self):
+        self.sent = self.calls = 0
+
+    def __enter__(self):
+        self.real = real = dist.all_to_all_single
+
+        def counted(out, inp, out_splits=None, in_splits=None, group=None, **kw):
+            self.calls += 1
+            self.sent += (inp.numel() - in_splits[dist.get_rank(group)]) * inp.element_size()
+            return real(out, inp, out_splits, in_splits, group=group, **kw)
+
+        dist.all_to_all_single = counted
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_to_all_single = self.real
+
+
+def _bytes_job():
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, h, 16, 8, generator=g) for h in (6, 2, 2))
+    res = {}
+    for chunks in (1, 2, 6):
+        leaves = [mhd.shard(t, 2, rank, world, "zigzag").requires_grad_() for t in (q, k, v)]
+        with _Bytes() as fwd:
+            out = mhd.ulysses_attention(*leaves, causal=True, layout="zigzag", head_chunks=chunks)
+        with _Bytes() as bwd:
+            out.sum().backward()
+        res[chunks] = (fwd.sent, bwd.sent, fwd.calls, bwd.calls)
+    if world == 1:  # one rank: plain attention, bit for bit, and no exchange at all
+        with _Bytes() as none:
+            got = mhd.ulysses_attention(q, k, v, causal=True, layout="zigzag")
+            groups = HybridGroups.create(dist.group.WORLD, 1)
+            got_h = mhd.hybrid_attention(q, k, v, groups=groups, causal=True, layout="zigzag")
+        want = mh.attention(q, k, v, causal=True)
+        res["alone"] = (torch.equal(got, want), torch.equal(got_h, want), none.calls)
+        try:
+            mhd.ulysses_attention(q, k, v, head_chunks=0)
+        except ValueError as exc:
+            res["error"] = str(exc)
+    return res
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_chunks_change_the_messages_not_the_bytes(world):
+    res = mhd.launch(_bytes_job, world, timeout=120, start_method="fork")[0]
+    one, two, six = res[1], res[2], res[6]
+    assert one[:2] == two[:2] == six[:2]  # bytes forward and backward
+    if world > 1:
+        assert one[2] < two[2] < six[2]  # more, smaller exchanges
+        assert one[0] > 0
+    else:
+        assert res["alone"] == (True, True, 0)
+        assert "head_chunks must be a positive int" in res["error"] and "got 0" in res["error"]

@@ -28,6 +28,9 @@ def _disagreements():
     attempt("heads", lambda: mhd.ulysses_attention(heads, heads, heads))
     odd = torch.randn(1, 4, 5 if rank == 0 else 3, 4)  # local lengths no zigzag cut produces
     attempt("lengths", lambda: mhd.ulysses_attention(odd, odd, odd, layout="zigzag"))
+    attempt("chunks", lambda: mhd.ulysses_attention(x, x, x, head_chunks=2 if rank == 0 else None))
+    attempt("softcap", lambda: mhd.ring_attention(x, x, x, softcap=5.0 if rank == 0 else None))
+    attempt("bad-chunks", lambda: mhd.ulysses_attention(x, x, x, head_chunks=0 if rank == 0 else 1))
     model = mh.MultiHeadAttention(16, 4)
 
     def enter():
@@ -47,6 +50,8 @@ def test_ranks_that_disagree_all_raise_the_same_error():
         "strategy": "same strategy; ranks 0..1 gave ['ring', 'ulysses']",
         "heads": "same H; ranks 0..1 gave [4, 2]",
         "lengths": "expects local lengths",
+        "chunks": "same head_chunks; ranks 0..1 gave [2, 0]",
+        "softcap": "same softcap; ranks 0..1 gave [1, 0]",
         "cp-strategy": "context_parallel: every rank must pass the same strategy",
     }
     for name, words_ in words.items():
@@ -54,6 +59,11 @@ def test_ranks_that_disagree_all_raise_the_same_error():
         assert got[0] == got[1], f"{name}: ranks raised different errors {got}"
         assert got[0][0] == "ValueError" and words_ in got[0][1], got[0]
     assert all(r["after"] is None for r in per_rank)
+    # a rank whose own argument is wrong raises its own error; the other names it (no hang)
+    assert (
+        per_rank[0]["bad-chunks"][0] == "ValueError" and "head_chunks must be" in per_rank[0]["bad-chunks"][1]
+    )
+    assert "rank(s) [0] rejected their inputs" in per_rank[1]["bad-chunks"][1]
 
 
 def _lonely(rank, path, strategy, results):

@@ -10,17 +10,20 @@ import pytest
 from multihead import distributed as mhd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from bench_plan import SHAPE, bytes_job  # noqa: E402
+from bench_plan import CASES, SHAPE, _name, bytes_job  # noqa: E402
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_planned_bytes_match_the_collectives(world):
-    """Ring, Ulysses and hybrid (U = 2 at 4 ranks), forward and backward: within 1% (the agreement's few
-    integers are the difference); the target is 5%."""
+    """Ring, Ulysses and hybrid (U = 2 at 4 ranks), forward and backward, whole and in 4 head chunks (hybrid:
+    K/V heads then go around the ring once per chunk): within 1% (the agreement's few integers are the
+    difference); the target is 5%."""
     per_rank = mhd.launch(bytes_job, world, (256, SHAPE), start_method="fork", timeout=120)
-    for strategy in ("ring", "ulysses", "hybrid"):
-        got = per_rank[0][strategy]
-        est = mhd.plan(256, **SHAPE, world=world, dtype_bytes=4, ulysses_size=got["ulysses_size"])[strategy]
+    for strategy, chunks in CASES:
+        got = per_rank[0][_name(strategy, chunks)]
+        est = mhd.plan(
+            256, **SHAPE, world=world, dtype_bytes=4, ulysses_size=got["ulysses_size"], head_chunks=chunks
+        )[strategy]
         assert abs(got["forward"] / est.sent_forward - 1) < 0.01, (strategy, got, est)
         assert abs(got["backward"] / est.sent_backward - 1) < 0.01, (strategy, got, est)
 
@@ -37,3 +40,12 @@ def test_plan_follows_the_formulas():
     assert slow["ring"].seconds > est["ring"].seconds  # a slow link costs time
     with pytest.raises(ValueError, match="machine must be one of"):
         mhd.plan(16384, heads=8, head_dim=64, world=4, machine="tpu")
+
+
+def test_head_chunks_lower_the_planned_peak_not_the_bytes():
+    shape = {"heads": 32, "kv_heads": 8, "head_dim": 64, "world": 4, "dtype_bytes": 4}
+    whole = mhd.plan(16384, **shape, head_chunks=1)["ulysses"]
+    chunked = mhd.plan(16384, **shape)["ulysses"]  # one query head a chunk at 16k
+    one = mhd.plan(16384, **(shape | {"world": 1}))["ulysses"]
+    assert (chunked.sent_forward, chunked.sent_backward) == (whole.sent_forward, whole.sent_backward)
+    assert chunked.memory_bytes < 0.35 * one.memory_bytes < whole.memory_bytes

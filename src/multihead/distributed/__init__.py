@@ -20,7 +20,8 @@ The package, top to bottom:
 * :mod:`.agree` -- what every rank agrees on before a call (shapes, lengths, layout, strategy): one
   error on every rank, never a hang; a rank that does not answer raises :class:`PeerLost`;
 * :mod:`.ring` -- the ring forward/backward (K/V streamed in pieces) and :func:`ring_attention`;
-* :mod:`.ulysses` -- the all-to-alls, the head split and :func:`ulysses_attention`;
+* :mod:`.exchange` -- the head split and Ulysses' all-to-alls, a chunk of heads at a time;
+* :mod:`.ulysses` -- :func:`ulysses_attention` over those exchanges;
 * :mod:`.hybrid` -- Ulysses x ring (:func:`hybrid_attention`, :class:`HybridGroups`);
 * :mod:`.modules` -- :class:`RingAttention`, :class:`UlyssesAttention`, :class:`HybridAttention`: the
   ``attention_fn`` that modules call through :mod:`multihead.nn.seam`; :func:`use_process_group`;

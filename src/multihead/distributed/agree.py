@@ -24,12 +24,23 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..core import masks as _masks
-from ..core.attention import check_qkv
-from ..core.checks import check_scale
+from ..core.attention import check_qkv, check_sinks
+from ..core.checks import check_scale, check_softcap
 from .blocks import KERNELS, Block, choose_kernel, make_block, shares_ids
 from .sharding import LAYOUTS, check_layout, positions_from_lengths, split_region, visible_region
 
-__all__ = ["STRATEGIES", "Meta", "PeerLost", "Plan", "Shard", "agree", "agree_on", "answered", "make_plan"]
+__all__ = [
+    "STRATEGIES",
+    "Meta",
+    "PeerLost",
+    "Plan",
+    "Shard",
+    "agree",
+    "agree_on",
+    "answered",
+    "check_head_chunks",
+    "make_plan",
+]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 STRATEGIES = ("ring", "ulysses", "hybrid")
@@ -64,6 +75,9 @@ class Meta(NamedTuple):
     kernel: int  # index in KERNELS, as requested
     strategy: int  # index in STRATEGIES
     pieces: int  # K/V shards travel in this many pieces
+    softcap: int  # 1: softcap given
+    sinks: int  # 1: sinks given
+    head_chunks: int  # Ulysses' head chunks as asked (0: None, chosen from the size)
 
 
 # fields that may differ between ranks (no key_mask: all keys real; pieces: the smallest count is used)
@@ -97,6 +111,7 @@ class Plan:
     kernel: str  # "flash" or "math" (see blocks.choose_kernel)
     compute_dtype: torch.dtype  # the dtype blocks compute and accumulate in
     pieces: int = 1  # the ring sends each K/V shard in this many pieces, one ring per piece
+    softcap: float | None = None  # scores -> softcap * tanh(scores / softcap), in every block
 
     @property
     def q_pos(self) -> Tensor:
@@ -158,6 +173,16 @@ def _comm_device(group: Any, like: object) -> torch.device:
     return torch.device("cpu")
 
 
+def check_head_chunks(head_chunks: object) -> None:
+    """``head_chunks`` is None or a positive int (else a ValueError that says so)."""
+    if head_chunks is not None and (
+        isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1
+    ):
+        raise ValueError(
+            f"head_chunks must be a positive int (chunks of heads per exchange) or None, got {head_chunks!r}"
+        )
+
+
 def _local_meta(
     q: Tensor,
     k: Tensor,
@@ -171,6 +196,9 @@ def _local_meta(
     block_kernel: str,
     strategy: str,
     pieces: int,
+    softcap: float | None,
+    sinks: Tensor | None,
+    head_chunks: int | None,
 ) -> tuple[Meta, tuple[Tensor, Tensor] | None]:
     """This rank's :class:`Meta`; raises what is wrong with its own inputs."""
     check_qkv(q, k, v)
@@ -193,6 +221,13 @@ def _local_meta(
             f"key), got {got}; build it with `shard(keep, 1, rank, world, layout)` from a (B, L) bool mask"
         )
     ids = None if segment_ids is None else _masks.check_segment_ids(segment_ids, b, lq, lk, q.device)
+    check_softcap(softcap)
+    check_sinks(sinks, q)
+    check_head_chunks(head_chunks)
+    if softcap is not None and block_kernel == "flash":
+        raise ValueError(
+            "block_kernel='flash' cannot apply softcap (the fused kernel has no cap); use 'auto'"
+        )
     meta = Meta(
         ok=1,
         batch=b,
@@ -211,6 +246,9 @@ def _local_meta(
         kernel=KERNELS.index(block_kernel),
         strategy=STRATEGIES.index(strategy),
         pieces=pieces,
+        softcap=int(softcap is not None),
+        sinks=int(sinks is not None),
+        head_chunks=head_chunks or 0,
     )
     return meta, ids
 
@@ -236,6 +274,9 @@ def make_plan(
     strategy: str = "ring",
     positions: tuple[list[Tensor], list[Tensor]] | None = None,
     pieces: int = 1,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+    head_chunks: int | None = None,
 ) -> Plan:
     """Validate the call on every rank at once; all ranks raise the same kind of error, none hangs.
 
@@ -266,6 +307,9 @@ def make_plan(
             block_kernel=block_kernel,
             strategy=strategy,
             pieces=pieces,
+            softcap=softcap,
+            sinks=sinks,
+            head_chunks=head_chunks,
         )
         scale = check_scale(scale, q.shape[-1])
     except (TypeError, ValueError) as exc:
@@ -317,9 +361,12 @@ def make_plan(
         has_key_mask=any(row.key_mask for row in table),
         q_ids=None if ids is None else ids[0],
         kv_ids=None if ids is None else ids[1],
-        kernel=choose_kernel(block_kernel, q.device, compute, mine_meta.dk, mine_meta.dv),
+        kernel="math"
+        if softcap is not None
+        else choose_kernel(block_kernel, q.device, compute, mine_meta.dk, mine_meta.dv),
         compute_dtype=compute,
         pieces=max(1, min(min(row.pieces for row in table), min(lk_all))) if world > 1 else 1,
+        softcap=check_softcap(softcap),
     )
 
 

@@ -40,6 +40,7 @@ __all__ = [
     "FlashOps",
     "Grads",
     "SoftmaxState",
+    "add_sinks",
     "block_backward",
     "block_forward",
     "choose_kernel",
@@ -48,6 +49,7 @@ __all__ = [
     "merge_into",
     "prepare",
     "shares_ids",
+    "sinks_grad",
 ]
 
 KERNELS = ("auto", "flash", "math")
@@ -219,11 +221,14 @@ def _last_dim_contiguous(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def block_forward(x: BlockInputs, blk: Block, scale: float, kernel: str) -> SoftmaxState:
+def block_forward(
+    x: BlockInputs, blk: Block, scale: float, kernel: str, softcap: float | None = None
+) -> SoftmaxState:
     """Attention of ``x.q``'s rows ``blk.rows`` over the shard's columns ``blk.cols``: (B, H, n, Dv), (B, H, n).
 
-    Equals ``out = softmax(s) @ v`` and ``lse = logsumexp(s)`` with ``s = scale * q k^T`` masked by the
-    block (``-inf`` where not kept), except that a row with no kept key gets ``out = 0, lse = -inf``.
+    Equals ``out = softmax(s) @ v`` and ``lse = logsumexp(s)`` with ``s = scale * q k^T`` (capped to
+    ``softcap * tanh(s / softcap)`` with a ``softcap``; the math kernel only) masked by the block
+    (``-inf`` where not kept), except that a row with no kept key gets ``out = 0, lse = -inf``.
     """
     q = x.q[:, :, blk.rows]  # (B, H, n, Dk)
     k, v = x.k[:, :, blk.cols], x.v[:, :, blk.cols]  # (B, Hkv, m, Dk), (B, Hkv, m, Dv)
@@ -241,7 +246,7 @@ def block_forward(x: BlockInputs, blk: Block, scale: float, kernel: str) -> Soft
         return SoftmaxState(out, lse)
     h, hkv = q.shape[1], k.shape[1]
     qg = group_queries(q, hkv)  # (B, Hkv, G*n, Dk)
-    s = _scores(qg, k, blk, scale, h)  # (B, Hkv, G*n, m)
+    s, _ = _scores(qg, k, blk, scale, h, softcap)  # (B, Hkv, G*n, m)
     mx = s.amax(dim=-1, keepdim=True)  # (B, Hkv, G*n, 1); -inf where a row sees nothing
     p = torch.exp(s - mx.masked_fill(torch.isneginf(mx), 0.0))  # (B, Hkv, G*n, m); dead rows -> 0
     den = p.sum(dim=-1, keepdim=True)  # (B, Hkv, G*n, 1)
@@ -250,11 +255,17 @@ def block_forward(x: BlockInputs, blk: Block, scale: float, kernel: str) -> Soft
     return SoftmaxState(ungroup(out, h), ungroup(lse, h)[..., 0])
 
 
-def _scores(qg: Tensor, k: Tensor, blk: Block, scale: float, h: int) -> Tensor:
-    """Masked scores of grouped queries (B, Hkv, G*n, Dk) against keys (B, Hkv, m, Dk): (B, Hkv, G*n, m)."""
+def _scores(
+    qg: Tensor, k: Tensor, blk: Block, scale: float, h: int, softcap: float | None
+) -> tuple[Tensor, Tensor | None]:
+    """Masked scores of grouped queries (B, Hkv, G*n, Dk) against keys (B, Hkv, m, Dk): (B, Hkv, G*n, m),
+    and, with a ``softcap``, the capped scores before the mask (their tanh gives the cap's derivative)."""
     s = torch.matmul(qg, k.transpose(-2, -1)) * scale  # (B, Hkv, G*n, m)
+    capped = None
+    if softcap is not None:
+        s = capped = softcap * torch.tanh(s / softcap)
     keep = group_mask(_full_keep(blk), h, k.shape[1], blk.n)  # (B|1, Hkv|1, G*n|1, m)
-    return s if keep is None else s.masked_fill(~keep, float("-inf"))
+    return (s if keep is None else s.masked_fill(~keep, float("-inf"))), capped
 
 
 def merge_into(state: SoftmaxState, part: SoftmaxState) -> None:
@@ -267,15 +278,39 @@ def merge_into(state: SoftmaxState, part: SoftmaxState) -> None:
     state.lse.copy_(new)
 
 
+def add_sinks(state: SoftmaxState, sinks: Tensor) -> None:
+    """In place: ``state`` (out (B, H, Lq, Dv), lse (B, H, Lq) over every key) absorbs one sink logit per
+    head, ``sinks`` (H,): a key with that score and a zero value (it takes weight, adds nothing)."""
+    sink = sinks.to(state.lse.dtype)[None, :, None]  # (1, H, 1)
+    new = torch.logaddexp(state.lse, sink)  # (B, H, Lq): finite, a sink is always seen
+    state.out.mul_(torch.exp(state.lse - new)[..., None])  # rows that saw no key stay 0
+    state.lse.copy_(new)
+
+
+def sinks_grad(sinks: Tensor, dout: Tensor, final: SoftmaxState) -> Tensor:
+    """d loss / d ``sinks`` (H,) from this rank's rows: ``-sum over rows of p_sink * rowsum(dout * out)``,
+    with ``p_sink = exp(sink - lse)`` the sink's final weight (``dout``, ``final.out`` (B, H, Lq, Dv))."""
+    delta = (dout * final.out).sum(dim=-1)  # (B, H, Lq)
+    p_sink = torch.exp(sinks.to(final.lse.dtype)[None, :, None] - final.lse)  # (B, H, Lq)
+    return -(p_sink * delta).sum(dim=(0, 2)).to(sinks.dtype)  # (H,)
+
+
 def block_backward(
-    x: BlockInputs, dout: Tensor, final: SoftmaxState, blk: Block, scale: float, kernel: str
+    x: BlockInputs,
+    dout: Tensor,
+    final: SoftmaxState,
+    blk: Block,
+    scale: float,
+    kernel: str,
+    softcap: float | None = None,
 ) -> Grads:
     """The block's share of dq, dk, dv, given the gradient ``dout`` (B, H, Lq, Dv) of the final output.
 
     ``final`` holds the output (B, H, Lq, Dv) and log-sum-exp (B, H, Lq) over *all* keys, with 0 (not
     ``-inf``) for rows that saw no key. Then ``p = exp(s - lse)`` are the final weights and
     ``ds = p * (dout @ v^T - rowsum(dout * out))``; dq = scale * ds @ k, dk = scale * ds^T @ q,
-    dv = p^T @ dout, summed over the G query heads of each kv head.
+    dv = p^T @ dout, summed over the G query heads of each kv head. A ``softcap`` multiplies ``ds`` by
+    the cap's derivative, ``1 - tanh^2``.
     """
     rows = blk.rows
     q, do = x.q[:, :, rows], dout[:, :, rows]  # (B, H, n, Dk), (B, H, n, Dv)
@@ -291,10 +326,13 @@ def block_backward(
     h, hkv = q.shape[1], k.shape[1]
     qg, dog, og = (group_queries(t, hkv) for t in (q, do, out))  # (B, Hkv, G*n, D*)
     lse_g = group_queries(lse[..., None], hkv)  # (B, Hkv, G*n, 1)
-    p = torch.exp(_scores(qg, k, blk, scale, h) - lse_g)  # (B, Hkv, G*n, m)
+    s, capped = _scores(qg, k, blk, scale, h, softcap)  # (B, Hkv, G*n, m)
+    p = torch.exp(s - lse_g)  # (B, Hkv, G*n, m)
     dv = torch.matmul(p.transpose(-2, -1), dog)  # (B, Hkv, m, Dv)
     delta = (dog * og).sum(dim=-1, keepdim=True)  # (B, Hkv, G*n, 1)
     ds = p * (torch.matmul(dog, v.transpose(-2, -1)) - delta)  # (B, Hkv, G*n, m)
+    if capped is not None and softcap is not None:  # through the cap: d tanh = 1 - tanh^2
+        ds = ds * (1 - (capped / softcap) ** 2)
     dq = ungroup(torch.matmul(ds, k), h) * scale  # (B, H, n, Dk)
     dk = torch.matmul(ds.transpose(-2, -1), qg) * scale  # (B, Hkv, m, Dk)
     return Grads(dq, dk, dv)

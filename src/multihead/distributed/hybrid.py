@@ -6,15 +6,20 @@ N_g the tokens of Ulysses group g (the union of its members' shards), D head dim
 
 The P ranks form an R x U grid. Rank r = g*U + i:
 
-1. exchanges with the other members of its Ulysses group g (one all-to-all): afterwards it holds its
-   share of the heads (:func:`~.ulysses.head_split` over U) for all N_g tokens of its group;
+1. exchanges with the other members of its Ulysses group g (all-to-alls, a chunk of heads at a time as
+   :mod:`.exchange` cuts them): it then holds the chunk's heads for all N_g tokens of its group;
 2. runs ring attention over the R ranks with the same index i (one per group), whose token sets are
-   the groups' unions: exact attention over the whole sequence for its heads;
-3. exchanges back (one all-to-all): every head of its own L_r tokens.
+   the groups' unions: exact attention over the whole sequence for the chunk's heads, the K/V shards
+   travelling in pieces (as :func:`~.ring.ring_attention` streams them);
+3. exchanges the chunk's output back: every head of its own L_r tokens, into the output.
 
 Each rank sends (U-1)/U of its q, k, v and output once each way in the all-to-alls and (R-1) K/V blocks
 of size ~L/R * Hkv/U around the ring: Ulysses needs no more than H ranks' worth of heads, the ring
 takes the rest. ``ulysses_size=None`` picks the largest U that divides P, H and Hkv (no K/V repeated).
+By default a chunk is a whole group of query heads with its K/V head, so each K/V head goes around the
+ring once; ``head_chunks`` above the K/V heads a rank holds cuts groups, and then a K/V head goes around
+once per chunk that reads it (less memory, more bytes: the planner counts them). U = 1 is the plain
+ring, R = 1 plain Ulysses (no exchange, resp. no ring, at all), and one rank plain attention.
 """
 
 from __future__ import annotations
@@ -27,11 +32,20 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .agree import make_plan
-from .ring import ring_with_plan
-from .ulysses import Part, gather_tokens, head_split, heads_to_seq, keys_kept, seq_to_heads
+from ..core.options import AttentionOptions
+from .agree import check_head_chunks, make_plan
+from .exchange import (
+    Attend,
+    HeadShare,
+    attend_in_chunks,
+    auto_head_chunks,
+    gather_tokens,
+    head_split,
+)
+from .ring import auto_pieces, ring_with_plan
+from .ulysses import alone, attend_alone, keys_kept, ulysses_with_plan
 
-__all__ = ["HybridGroups", "choose_ulysses_size", "hybrid_attention"]
+__all__ = ["HybridGroups", "choose_ulysses_size", "hybrid_attention", "hybrid_head_chunks"]
 
 
 def choose_ulysses_size(heads: int, kv_heads: int, world: int) -> int:
@@ -75,6 +89,14 @@ def _unions(pos_all: Sequence[Tensor], u: int) -> list[Tensor]:
     return [torch.cat(list(pos_all[g * u : (g + 1) * u])).sort().values for g in range(len(pos_all) // u)]
 
 
+def hybrid_head_chunks(shares: Sequence[HeadShare], batch: int, length: int, dim: int) -> list[int]:
+    """Each rank's chunk count by default: as Ulysses (:func:`~.exchange.auto_head_chunks` over the
+    group's ``length`` tokens), but never more than its K/V heads (a K/V head goes around the ring once)."""
+    most = max(s.heads for s in shares)
+    auto = auto_head_chunks(batch, length, most, dim)
+    return [max(1, min(auto, len(s.kv))) for s in shares]
+
+
 def hybrid_attention(
     q: Tensor,
     k: Tensor,
@@ -87,6 +109,9 @@ def hybrid_attention(
     key_mask: Tensor | None = None,
     segment_ids: Tensor | tuple[Tensor, Tensor] | None = None,
     scale: float | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+    head_chunks: int | None = None,
 ) -> Tensor:
     """Exact attention over a sequence sharded across ``groups.group``: Ulysses within, ring across.
 
@@ -94,7 +119,21 @@ def hybrid_attention(
     k (B, Hkv, Lk_r, Dk), v (B, Hkv, Lk_r, Dv) this rank's shards cut in ``layout`` -> (B, H, Lq_r, Dv),
     differentiable. ``groups`` from :meth:`HybridGroups.create` (made once, e.g. by
     :func:`~multihead.distributed.context_parallel`). ``ulysses_size`` may not exceed H.
+    ``softcap``, ``sinks`` (H,): as :func:`~multihead.distributed.ring_attention`. ``head_chunks``: as
+    :func:`~multihead.distributed.ulysses_attention` (None: one chunk per K/V head a rank holds, at long
+    lengths).
     """
+    if alone(groups.group):  # one rank: plain attention
+        check_head_chunks(head_chunks)
+        options = AttentionOptions(
+            causal=causal,
+            scale=scale,
+            valid_lens=valid_lens,
+            segment_ids=segment_ids,
+            softcap=softcap,
+            sinks=sinks,
+        )
+        return attend_alone(q, k, v, options, key_mask, layout, "auto")
     plan = make_plan(
         q,
         k,
@@ -107,6 +146,10 @@ def hybrid_attention(
         scale=scale,
         segment_ids=segment_ids,
         strategy="hybrid",
+        pieces=auto_pieces(k),
+        softcap=softcap,
+        sinks=sinks,
+        head_chunks=head_chunks,
     )
     u = groups.ulysses_size
     if u > plan.heads:
@@ -114,17 +157,19 @@ def hybrid_attention(
             f"hybrid_attention: ulysses_size={u} exceeds the H={plan.heads} query heads; pick ulysses_size <= "
             f"{plan.heads} (or None to choose)"
         )
+    if u == 1:  # groups of one: the ring over every rank, no exchange
+        return ring_with_plan(q, k, v, key_mask, plan, sinks)
+    if u == plan.world:  # one group: Ulysses, no ring
+        options = AttentionOptions(
+            causal=causal, valid_lens=valid_lens, segment_ids=segment_ids, softcap=softcap, sinks=sinks
+        )
+        return ulysses_with_plan(q, k, v, key_mask, plan, options, "auto", head_chunks)
     g = plan.rank // u
     members = range(g * u, (g + 1) * u)
     q_union, k_union = _unions(plan.q_pos_all, u), _unions(plan.k_pos, u)
     # each member's tokens as indices into its group's union (a permutation of 0..N_g-1)
     rel_q = [torch.searchsorted(q_union[g], plan.q_pos_all[r]) for r in members]
     rel_k = [torch.searchsorted(k_union[g], plan.k_pos[r]) for r in members]
-    shares = head_split(plan.heads, plan.kv_heads, u)
-    kv_of = [s.kv for s in shares]
-    qh, kh, vh = seq_to_heads(
-        [Part(q, [s.q for s in shares], rel_q), Part(k, kv_of, rel_k), Part(v, kv_of, rel_k)], groups.ulysses
-    )  # (B, H_i, N_g, Dk), (B, Hkv_i, N_g, Dk), (B, Hkv_i, N_g, Dv)
     keep = None
     if plan.has_key_mask:  # some rank has padding (a rank without key_mask has real keys only)
         keep = gather_tokens(keys_kept(key_mask, k), rel_k, groups.ulysses)  # (B, N_g)
@@ -137,19 +182,33 @@ def hybrid_attention(
             gather_tokens(plan.q_ids, rel_q, groups.ulysses),
             gather_tokens(plan.kv_ids, rel_k, groups.ulysses),
         )
-    ring = make_plan(
-        qh,
-        kh,
-        vh,
-        causal=causal,
-        group=groups.ring,
-        layout=layout,
-        valid_lens=rows,
-        key_mask=keep,
-        scale=plan.scale,
-        segment_ids=ids,
-        strategy="hybrid",
-        positions=(q_union, k_union),
+    shares = head_split(plan.heads, plan.kv_heads, u)
+    counts = (
+        [head_chunks] * u
+        if head_chunks
+        else hybrid_head_chunks(shares, plan.batch, sum(map(len, rel_q)), max(plan.dk, plan.dv))
     )
-    out = ring_with_plan(qh, kh, vh, keep, ring)  # (B, H_i, N_g, Dv)
-    return heads_to_seq(out, [s.heads for s in shares], rel_q, groups.ulysses)  # (B, H, Lq_r, Dv)
+
+    def attend(x: Attend) -> Tensor:  # the ring over the groups, for one chunk's heads
+        ring = make_plan(
+            x.q,
+            x.k,
+            x.v,
+            causal=causal,
+            group=groups.ring,
+            layout=layout,
+            valid_lens=rows,
+            key_mask=keep,
+            scale=plan.scale,
+            segment_ids=ids,
+            strategy="hybrid",
+            positions=(q_union, k_union),
+            pieces=auto_pieces(x.k),
+            softcap=softcap,
+        )
+        mine = None if sinks is None else sinks[x.first : x.first + x.q.shape[1]]  # the chunk's heads
+        return ring_with_plan(x.q, x.k, x.v, keep, ring, mine)  # (B, w, N_g, Dv)
+
+    return attend_in_chunks(
+        q, k, v, shares, (rel_q, rel_k), groups.ulysses, counts, attend
+    )  # (B, H, Lq_r, Dv)

@@ -86,8 +86,8 @@ class ShardedAttention(OptionsAttention):
 class RingAttention(ShardedAttention):
     """Ring attention over ``group`` (:func:`~multihead.distributed.ring_attention`), as an ``attention_fn``.
 
-    Serves ``causal``, ``valid_lens``, ``segment_ids``, ``scale`` and a key-padding ``mask``; ``backend`` is ignored (each
-    block step is the ring's own).
+    Serves ``causal``, ``valid_lens``, ``segment_ids``, ``scale``, ``softcap``, ``sinks`` and a key-padding
+    ``mask``; ``backend`` is ignored (each block step is the ring's own).
     """
 
     name: ClassVar[str] = "ring attention over a process group"
@@ -98,9 +98,6 @@ class RingAttention(ShardedAttention):
             yield "bias= (a float bias over all keys) is not supported"
         if options.dropout:
             yield f"dropout={options.dropout} is not supported: set the module's dropout to 0 or call .eval()"
-        for name in ("softcap", "sinks"):
-            if getattr(options, name) is not None:
-                yield f"{name}= is not supported by ring attention (ulysses attention serves it)"
         yield from _key_mask_problem(options.mask, q, k)
 
     def serve(self, q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions, backend: str) -> Tensor:
@@ -116,6 +113,8 @@ class RingAttention(ShardedAttention):
             "key_mask": key_mask_of(options.mask, q, k),
             "segment_ids": options.segment_ids,
             "scale": options.scale,
+            "softcap": options.softcap,
+            "sinks": options.sinks,
         }
 
 

@@ -26,9 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .hybrid import choose_ulysses_size
+from .exchange import Chunk, auto_head_chunks, chunk_heads, head_split
+from .hybrid import choose_ulysses_size, hybrid_head_chunks
 from .ring import PIECE_KEYS
-from .ulysses import head_split
 
 __all__ = ["PRESETS", "Estimate", "Machine", "plan"]
 
@@ -81,25 +81,30 @@ def _ring(
 
 
 def _ulysses(
-    *, batch: int, tokens: int, heads: int, kv_heads: int, dim: int, ranks: int, b: int
-) -> tuple[int, int, int, float]:
-    """Ulysses over ``ranks`` of ``tokens`` each: (extra peak bytes, sent fwd, sent bwd, largest share of
-    the heads), rank 0's (the largest share: tensor_split gives the first ranks the extra heads)."""
+    *, batch: int, tokens: int, heads: int, kv_heads: int, dim: int, ranks: int, b: int, counts: list[int]
+) -> tuple[int, int, int, float, list[Chunk]]:
+    """Ulysses over ``ranks`` of ``tokens`` each, each rank's heads in ``counts[s]`` chunks: (extra peak
+    bytes, sent fwd, sent bwd, largest share of the heads, that rank's chunks), rank 0's (the largest
+    share: tensor_split gives the first ranks the extra heads)."""
     shares = head_split(heads, kv_heads, ranks)
     unit = batch * tokens * dim * b  # one head of one rank's tokens
     mine = shares[0]
-    # q/k/v to the other ranks' heads, and the output of my heads for the other ranks' tokens
+    # q/k/v to the other ranks' heads, and the output of my heads for the other ranks' tokens (chunks
+    # change when things move, not how much: each K/V slot is sent once)
     qkv_out = sum((s.heads + 2 * len(s.kv)) * unit for s in shares[1:])
     out_back = mine.heads * (ranks - 1) * unit
     fwd = qkv_out + out_back
     # backward: the output's gradient to the head owners, then dq, dk, dv back to the token owners
     bwd = sum(s.heads * unit for s in shares[1:]) + (mine.heads + 2 * len(mine.kv)) * (ranks - 1) * unit
-    whole = (mine.heads + 2 * len(mine.kv)) * ranks * unit  # my heads of every token (q, k, v)
-    heads_out = mine.heads * ranks * unit  # my heads' output over every token
-    # the largest of: received + placed q/k/v; placed q/k/v + output heads; output heads, its pieces and
-    # the message (each an exchange's buffers alive at once)
-    extra = max(2 * whole, whole + heads_out, 3 * heads_out)
-    return extra, fwd, bwd, mine.heads / heads
+    chunks = chunk_heads(mine, counts[0])
+    whole = ranks * unit  # one head of every token
+    # per chunk of w heads reading s slots, the most alive at once: K, then V arriving (K whole, V's
+    # message and its receive buffer); the slot and q arriving (message, receive buffer); the slot, q
+    # and the output; the slot, the output's message and what comes back
+    extra = max(max(3 * len(c.kv), 2 * len(c.kv) + 2 * len(c.q)) for c in chunks) * whole if chunks else 0
+    if ranks == 1:  # one rank: plain attention, no exchange
+        extra = 0
+    return extra, fwd, bwd, mine.heads / heads, chunks
 
 
 def plan(
@@ -115,6 +120,7 @@ def plan(
     machine: str | Machine = "h100-nvlink",
     ulysses_size: int | None = None,
     pieces: int | None = None,
+    head_chunks: int | None = None,
 ) -> dict[str, Estimate]:
     """Predict, for ring, Ulysses and hybrid, memory per rank, bytes sent per rank and time, per layer.
 
@@ -127,6 +133,8 @@ def plan(
         ulysses_size: U for hybrid (None: the largest size dividing P, H and Hkv).
         pieces: how many pieces a remote K/V shard is streamed in (the ring's in-flight memory / pieces);
             None: as :func:`~multihead.distributed.ring_attention` chooses (pieces of >= 1024 keys, <= 4).
+        head_chunks: the chunks Ulysses and hybrid exchange each rank's heads in (None: as they choose;
+            see :func:`~multihead.distributed.ulysses_attention`).
 
     Returns ``{"ring": Estimate, "ulysses": Estimate, "hybrid": Estimate}``. For ``world=4``, L = 16k,
     H = Hkv = 8, D = 64 in float32, the ring sends 3 K/V shards forward: 3 * 2 * 4096 * 8 * 64 * 4 bytes.
@@ -163,8 +171,11 @@ def plan(
     tf, tb = ring_time(kv_shard, world, compute_fwd, compute_bwd)
     out["ring"] = Estimate("ring", 1, own + extra, sf, sb, tf, tb)
 
-    extra, sf, sb, share = _ulysses(
-        batch=batch, tokens=n, heads=heads, kv_heads=hkv, dim=head_dim, ranks=world, b=b
+    shares = head_split(heads, hkv, world)
+    most = max(x.heads for x in shares)
+    count = head_chunks or auto_head_chunks(batch, seq_len, most, head_dim)
+    extra, sf, sb, share, _ = _ulysses(
+        batch=batch, tokens=n, heads=heads, kv_heads=hkv, dim=head_dim, ranks=world, b=b, counts=[count]
     )
     heavy = share * world  # the rank with the most heads sets the pace
     msgs = 2 * (world - 1) * rates.latency
@@ -174,28 +185,44 @@ def plan(
 
     u = choose_ulysses_size(heads, hkv, world) if ulysses_size is None else ulysses_size
     r = world // u
-    extra_u, uf, ub, share = _ulysses(
-        batch=batch, tokens=n, heads=heads, kv_heads=hkv, dim=head_dim, ranks=u, b=b
+    shares = head_split(heads, hkv, u)
+    counts = [head_chunks] * u if head_chunks else hybrid_head_chunks(shares, batch, n * u, head_dim)
+    extra_u, uf, ub, share, chunks = _ulysses(
+        batch=batch, tokens=n, heads=heads, kv_heads=hkv, dim=head_dim, ranks=u, b=b, counts=counts
     )
-    hs = head_split(heads, hkv, u)[0]
-    extra_r, rf, rb = _ring(
-        batch=batch,
-        tokens=n * u,
-        heads=hs.heads,
-        kv_heads=len(hs.kv),
-        dim=head_dim,
-        ranks=r,
-        b=b,
-        pieces=pieces,
-    )
-    kv_group = 2 * batch * len(hs.kv) * n * u * head_dim * b
+    # the ring of each chunk over the R groups' N_g = n * u tokens: its slots go around once per chunk
+    whole_g = batch * n * u * head_dim * b  # one head of a group's tokens
+    rf = rb = 0
+    during = []  # per chunk: its slot and q, the ring's running output, a block's output, the messages
+    for c in chunks:
+        e, f, bw = _ring(
+            batch=batch,
+            tokens=n * u,
+            heads=len(c.q),
+            kv_heads=len(c.kv),
+            dim=head_dim,
+            ranks=r,
+            b=b,
+            pieces=pieces,
+        )
+        rf, rb = rf + f, rb + bw
+        during.append((2 * len(c.kv) + 3 * len(c.q)) * whole_g + e)
+    kv_group = 2 * batch * len(shares[0].kv) * n * u * head_dim * b
     heavy = share * u
     rtf, rtb = ring_time(kv_group, r, compute_fwd * heavy, compute_bwd * heavy)
     msgs = 2 * (u - 1) * rates.latency
+    if u == 1:  # groups of one: the plain ring (no exchange, no chunks)
+        extra_h, rf, rb = _ring(
+            batch=batch, tokens=n, heads=heads, kv_heads=hkv, dim=head_dim, ranks=r, b=b, pieces=pieces
+        )
+    elif r == 1:  # one group: plain Ulysses, no ring
+        extra_h = extra_u
+    else:
+        extra_h = max([extra_u, *during])
     out["hybrid"] = Estimate(
         "hybrid",
         u,
-        own + extra_u + extra_r,
+        own + extra_h,
         uf + rf,
         ub + rb,
         rtf + uf / rates.link + msgs,

@@ -32,13 +32,15 @@ from .blocks import (
     BlockInputs,
     Grads,
     SoftmaxState,
+    add_sinks,
     block_backward,
     block_forward,
     merge_into,
     prepare,
+    sinks_grad,
 )
 
-__all__ = ["ring_attention", "ring_with_plan"]
+__all__ = ["PIECE_KEYS", "auto_pieces", "ring_attention", "ring_with_plan"]
 
 # P2P tags: K, V, the key mask, dK and dV may all be in flight between the same two ranks at once
 _TAG_K, _TAG_V, _TAG_MASK, _TAG_DK, _TAG_DV, _TAG_IDS = 1, 2, 3, 4, 5, 6
@@ -162,6 +164,7 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None, plan
                     blk,
                     plan.scale,
                     plan.kernel,
+                    plan.softcap,
                 )
                 state = _absorb(state, part, blk, q, v.shape[-1], dtype)
             relay.wait()
@@ -250,7 +253,7 @@ def _backward_piece(
         shares = []  # (block, its share of the gradients)
         for blk in plan.blocks(src, shard, qa.device, piece):
             x = BlockInputs(qa, prepare(shard.k, dtype), prepare(shard.v, dtype))
-            grads = block_backward(x, da, final, blk, plan.scale, plan.kernel)
+            grads = block_backward(x, da, final, blk, plan.scale, plan.kernel, plan.softcap)
             dq = _add_rows(dq, grads.dq, blk.rows, tuple(qa.shape), dtype)
             shares.append((blk, grads))
         grad_relay.wait()  # the accumulator for shard `src` has arrived (and our last one has left)
@@ -298,17 +301,25 @@ def _add_cols(acc: list[Tensor], shares: list[tuple[Block, Grads]]) -> None:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None, plan: Plan) -> Tensor:
+    def forward(
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None, plan: Plan, sinks: Tensor | None
+    ) -> Tensor:
         state = _ring_forward(q, k, v, key_mask, plan)
-        ctx.save_for_backward(q, k, v, state.out, state.lse)
+        if sinks is not None:  # one more column of every row's softmax, merged once, on the row's rank
+            add_sinks(state, sinks)
+        ctx.save_for_backward(q, k, v, state.out, state.lse, sinks)
         ctx.key_mask, ctx.plan = key_mask, plan
         return state.out.to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(dout, q, k, v, ctx.key_mask, SoftmaxState(out, lse), ctx.plan)
-        return dq, dk, dv, None, None
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        final = SoftmaxState(out, lse)
+        dq, dk, dv = _ring_backward(dout, q, k, v, ctx.key_mask, final, ctx.plan)
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[5]:
+            dsinks = sinks_grad(sinks, dout.to(out.dtype), final)  # this rank's rows' share
+        return dq, dk, dv, None, None, dsinks
 
 
 def ring_attention(
@@ -325,6 +336,8 @@ def ring_attention(
     scale: float | None = None,
     block_kernel: str = "auto",
     kv_pieces: int | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Exact attention over a sequence sharded across the ranks of ``group`` (every rank calls it).
 
@@ -348,6 +361,10 @@ def ring_attention(
         valid_lens: int (B,) or (B, Lq): keys at *global* index >= valid_len are masked (d2l meaning).
         key_mask: bool (B, Lk), True = real key, for this rank's keys (a shard of a (B, L) padding mask,
             the argument of :func:`multihead.masks.key_padding`); it travels with the keys.
+        softcap: scores -> ``softcap * tanh(scores / softcap)`` in every block (runs the math blocks).
+        sinks: (H,) one logit per head, as :func:`multihead.attention`'s: merged once into each rank's
+            rows after the ring; its gradient on each rank is its rows' share (sum it over the group,
+            as a training loop's all-reduce of a replicated parameter does).
         segment_ids: int (B, Lq) for self-attention, or a pair (q_ids (B, Lq), kv_ids (B, Lk)): this
             rank's shard of the packed sequences' ids (cut like q with :func:`shard`); a query sees only
             keys with its own id, negative ids are padding. The key ids travel with the keys, and a step
@@ -383,24 +400,30 @@ def ring_attention(
         scale=scale,
         segment_ids=segment_ids,
         block_kernel=block_kernel,
-        pieces=_auto_pieces(k) if kv_pieces is None else kv_pieces,
+        pieces=auto_pieces(k) if kv_pieces is None else kv_pieces,
+        softcap=softcap,
+        sinks=sinks,
     )
-    return ring_with_plan(q, k, v, key_mask, plan)
+    return ring_with_plan(q, k, v, key_mask, plan, sinks)
 
 
 PIECE_KEYS = 1024
 """With ``kv_pieces=None`` a K/V shard travels in pieces of at least this many keys (at most 4 pieces)."""
 
 
-def _auto_pieces(k: Tensor) -> int:
+def auto_pieces(k: Tensor) -> int:
+    """How many pieces a K/V shard (B, Hkv, m, D) travels in by default."""
     return max(1, min(4, k.shape[2] // PIECE_KEYS)) if isinstance(k, Tensor) and k.dim() == 4 else 1
 
 
-def ring_with_plan(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None, plan: Plan) -> Tensor:
+def ring_with_plan(
+    q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None, plan: Plan, sinks: Tensor | None = None
+) -> Tensor:
     """The ring over an agreed :class:`~.agree.Plan` (what :func:`ring_attention` runs after agreeing):
-    q (B, H, Lq, Dk), k (B, Hkv, Lk, Dk), v (B, Hkv, Lk, Dv), key_mask (B, Lk) -> (B, H, Lq, Dv)."""
+    q (B, H, Lq, Dk), k (B, Hkv, Lk, Dk), v (B, Hkv, Lk, Dv), key_mask (B, Lk), sinks (H,) ->
+    (B, H, Lq, Dv)."""
     if plan.has_key_mask and key_mask is None:  # another rank has padding: this one's keys are all real
         key_mask = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device)  # (B, Lk)
-    out = _RingAttention.apply(q, k, v, key_mask, plan)
+    out = _RingAttention.apply(q, k, v, key_mask, plan, sinks)
     assert isinstance(out, Tensor)
     return out

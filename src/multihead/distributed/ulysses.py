@@ -1,15 +1,21 @@
-"""Ulysses attention: an all-to-all turns sequence shards into head shards, attention runs whole, and back.
+"""Ulysses attention: all-to-alls turn sequence shards into head shards, attention runs whole, and back.
 
 Dimensions: B batch, H query heads, Hkv key/value heads (H % Hkv == 0), G = H // Hkv, P ranks in the
 group, r this rank, L_q/L_k the total query/key lengths, Lq_r/Lk_r rank r's local lengths, H_r/Hkv_r
-the query/key-value heads rank r attends for, Dk/Dv head dims.
+the query/key-value heads rank r attends for, w the query heads of one chunk, Dk/Dv head dims.
 
-Before: rank r holds every head of its tokens, q (B, H, Lq_r, Dk). One all-to-all sends rank s the
-heads it owns of every token this rank holds; after it rank r holds its heads of *every* token,
-(B, H_r, L_q, Dk), in sequence order. :func:`multihead.attention_with` computes exact attention over
-the whole sequence there (any backend; causal, padding, packed ``segment_ids``, mask and bias functions
-of global positions, softcap and sinks all as in one process), and a second all-to-all returns every
-rank its tokens with all heads. Backward is the same two exchanges reversed.
+Before: rank r holds every head of its tokens, q (B, H, Lq_r, Dk). An all-to-all sends rank s the heads
+it owns of every token this rank holds; after it rank r holds its heads of *every* token, in sequence
+order. :func:`multihead.attention_with` computes exact attention over the whole sequence there (any
+backend; causal, padding, packed ``segment_ids``, mask and bias functions of global positions, softcap
+and sinks all as in one process), and an all-to-all returns every rank its tokens with all heads.
+Backward is the same exchanges reversed.
+
+The heads go in *chunks* (:mod:`.exchange`): exchange a chunk of w query heads (and the K/V slot they
+read, once), attend, send the chunk's output home into the output buffer, next chunk. A rank so holds
+one chunk's heads of the whole sequence at a time, not all H_r of them, and sends the same bytes as one
+exchange of everything. ``head_chunks=None`` chooses the count from the size (chunks of about 1 MiB of
+queries; one chunk for short sequences, where fewer messages matter more).
 
 Heads are split as evenly as ``torch.tensor_split`` cuts them, so any P works: H % P != 0 gives some
 ranks one head more, H < P leaves ranks idle. A rank needs the key/value heads its query heads read;
@@ -17,14 +23,14 @@ when its query heads cover whole groups of G (always when Hkv % P == 0) it gets 
 once; when a group is cut between ranks its key/value head goes to each of them (sent twice), and when
 the cut leaves unequal parts of groups on one rank, its K/V are repeated per query head (Hkv_r = H_r):
 the cost is the extra bytes sent, (H_r - Hkv_r) * L * (Dk + Dv) per rank, documented in
-docs/distributed.md.
+docs/distributed.md. On a group of one rank it is :func:`multihead.attention_with`, no exchange at all.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,177 +38,28 @@ from torch import Tensor
 
 from ..core.attention import attention_with
 from ..core.options import AttentionOptions
-from .agree import answered, make_plan
+from .agree import Plan, check_head_chunks, make_plan
+from .exchange import (
+    Attend,
+    HeadShare,
+    attend_in_chunks,
+    auto_head_chunks,
+    gather_tokens,
+    head_split,
+)
+from .sharding import check_layout
 
 __all__ = [
     "HeadShare",
-    "Part",
-    "exchange",
+    "alone",
+    "and_keys",
+    "attend_alone",
     "gather_tokens",
     "head_split",
-    "heads_to_seq",
-    "seq_to_heads",
+    "keys_kept",
     "ulysses_attention",
+    "ulysses_with_plan",
 ]
-
-
-@dataclass(frozen=True)
-class HeadShare:
-    """The heads one rank attends for: query heads ``q`` (a range of H) and key/value heads ``kv``.
-
-    ``kv`` (Hkv_r,) indexes the Hkv heads; query head ``q.start + j`` reads local kv head ``j // (H_r //
-    Hkv_r)``, as in grouped-query attention.
-    """
-
-    q: range
-    kv: tuple[int, ...]
-
-    @property
-    def heads(self) -> int:
-        return len(self.q)
-
-
-def head_split(heads: int, kv_heads: int, world: int) -> list[HeadShare]:
-    """Each rank's :class:`HeadShare` of H = ``heads`` query heads over ``world`` ranks.
-
-    H = 8, Hkv = 2 over P = 4: ranks get query heads 0-1, 2-3, 4-5, 6-7 and kv heads (0,), (0,), (1,),
-    (1,). H = 6, Hkv = 2 over P = 4: 0-1 (0,), 2-3 (0, 1) read kv 0 and 1 once each, 4 (1,), 5 (1,).
-    """
-    group = heads // kv_heads
-    shares = []
-    for chunk in torch.arange(heads).tensor_split(world):
-        reads = [int(h) // group for h in chunk]  # the kv head of each query head
-        kv = sorted(set(reads))
-        counts = {u: reads.count(u) for u in kv}
-        if len(set(counts.values())) > 1:  # unequal parts of groups: one kv head per query head
-            kv = reads
-        q = range(int(chunk[0]), int(chunk[-1]) + 1) if len(chunk) else range(0)
-        shares.append(HeadShare(q, tuple(kv)))
-    return shares
-
-
-class _Exchange(torch.autograd.Function):
-    """``all_to_all_single`` of a flat tensor with per-rank sizes; its backward is the reverse exchange."""
-
-    @staticmethod
-    def forward(ctx: Any, flat: Tensor, send: list[int], recv: list[int], group: Any) -> Tensor:
-        ctx.send, ctx.recv, ctx.group = send, recv, group
-        out = flat.new_empty(sum(recv))
-        with answered("ulysses_attention"):
-            dist.all_to_all_single(out, flat.contiguous(), recv, send, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        back = grad.new_empty(sum(ctx.send))
-        with answered("ulysses_attention (backward)"):
-            dist.all_to_all_single(back, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
-        return back, None, None, None
-
-
-def exchange(
-    pieces: list[list[Tensor]], shapes: Sequence[Sequence[tuple[int, ...]]], group: Any
-) -> list[list[Tensor]]:
-    """Send ``pieces[s]`` (tensors of one dtype) to rank s; return what each rank r sent here, viewed
-    at ``shapes[r]``. Differentiable: the gradients go back by the reverse exchange. ``pieces`` is
-    emptied once packed into the message (copies among them are freed before the transfer)."""
-    send = [sum(t.numel() for t in dest) for dest in pieces]
-    flat = torch.cat([t.reshape(-1) for dest in pieces for t in dest])  # one message, in rank order
-    pieces.clear()
-    recv = [sum(_numel(s) for s in src) for src in shapes]
-    got = _Exchange.apply(flat, send, recv, group)
-    del flat  # the send buffer: the transfer is done
-    out, at = [], 0
-    for src in shapes:
-        views = []
-        for shape in src:
-            n = _numel(shape)
-            views.append(got[at : at + n].view(shape))
-            at += n
-        out.append(views)
-    return out
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def _order(positions: Sequence[Tensor], device: torch.device) -> Tensor:
-    """(L,) the index, in rank-order concatenation of the shards, of each global position (the inverse
-    permutation of ``cat(positions)``)."""
-    flat = torch.cat(list(positions))  # (L,) global position of each concatenated row
-    return torch.empty_like(flat).index_copy_(0, flat, torch.arange(len(flat))).to(device)
-
-
-class Part(NamedTuple):
-    """One tensor to move from sequence shards to head shards."""
-
-    x: Tensor  # (B, N, L_r, D): every head of this rank's tokens
-    heads_of: Sequence[Sequence[int]]  # the heads rank s gets, for each rank s
-    positions: Sequence[Tensor]  # rank s's global positions, for each rank s
-
-
-def seq_to_heads(parts: Sequence[Part], group: Any) -> list[Tensor]:
-    """Sequence shards to head shards, every part in one all-to-all (one collective, forward and back).
-
-    Returns, for each part, (B, N_r, L, D): this rank's heads of every token, in sequence order.
-    """
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    pieces = [[_heads(p.x, p.heads_of[s]) for p in parts] for s in range(world)]  # (B, N_s, L_r, D)
-    shapes = [
-        [(p.x.shape[0], len(p.heads_of[rank]), len(p.positions[r]), p.x.shape[3]) for p in parts]
-        for r in range(world)
-    ]
-    got = exchange(pieces, shapes, group)
-    out = []
-    for i, p in enumerate(parts):
-        whole = got[0][i].new_empty(shapes[0][i][:2] + (sum(map(len, p.positions)), p.x.shape[3]))
-        for r in range(world):  # each rank's tokens to their places: (B, N_r, L, D) in sequence order
-            whole.index_copy_(2, p.positions[r].to(whole.device), got[r][i])
-        out.append(whole)
-    return out
-
-
-def _heads(x: Tensor, heads: Sequence[int]) -> Tensor:
-    """``x[:, heads]``: a view when the heads are consecutive (no copy before the message is packed)."""
-    heads = list(heads)
-    if not heads:
-        return x[:, :0]
-    first = heads[0]
-    if heads == list(range(first, first + len(heads))):
-        return x[:, first : first + len(heads)]
-    return x[:, heads]
-
-
-def heads_to_seq(out: Tensor, heads: Sequence[int], positions: Sequence[Tensor], group: Any) -> Tensor:
-    """Head shards back to sequence shards: ``out`` (B, H_r, L, D) in global order, ``heads[s]`` = H_s.
-
-    Returns (B, H, L_r, D): every head of this rank's tokens.
-    """
-    rank = dist.get_rank(group)
-    b, _, _, d = out.shape
-    pieces = [[out.index_select(2, p.to(out.device))] for p in positions]  # (B, H_r, L_s, D) for rank s
-    del out  # the caller's reference remains; without grad, the pieces are all that is needed
-    shapes = [[(b, h, len(positions[rank]), d)] for h in heads]
-    got = exchange(pieces, shapes, group)
-    return torch.cat([g[0] for g in got], dim=1)  # (B, H, L_r, D)
-
-
-def gather_tokens(x: Tensor, positions: Sequence[Tensor], group: Any) -> Tensor:
-    """All-gather a per-token tensor ``x`` (B, L_r) (ids, masks, counts; not differentiable) and put it
-    in sequence order: (B, L). ``positions[s]`` are rank s's global positions."""
-    dtype = x.dtype
-    wire = x.to(torch.int64) if dtype == torch.bool else x  # gloo sends no bool
-    longest = max(len(p) for p in positions)
-    padded = torch.cat([wire, wire.new_zeros(wire.shape[0], longest - wire.shape[1])], 1).contiguous()
-    parts = [torch.empty_like(padded) for _ in positions]
-    with answered("ulysses_attention"):
-        dist.all_gather(parts, padded, group=group)
-    flat = torch.cat([p[:, : len(pos)] for p, pos in zip(parts, positions)], 1)  # (B, L) in rank order
-    return flat.index_select(1, _order(positions, x.device)).to(dtype)  # (B, L)
 
 
 @dataclass(frozen=True)
@@ -234,8 +91,9 @@ def ulysses_attention(
     bias: Callable[..., Tensor] | None = None,
     dropout: float = 0.0,
     backend: str = "auto",
+    head_chunks: int | None = None,
 ) -> Tensor:
-    """Exact attention over a sequence sharded across ``group``, by two all-to-alls (every rank calls it).
+    """Exact attention over a sequence sharded across ``group``, by all-to-alls (every rank calls it).
 
     Args:
         q: (B, H, Lq_r, Dk) this rank's queries (its shard of the global sequence, cut by
@@ -252,13 +110,32 @@ def ulysses_attention(
             runs on ``backend``).
         mask, bias: *functions* ``fn(b, h, q_idx, kv_idx)`` of global heads and global positions
             (a flex ``mask_mod``/``score_mod`` style function); dense tensors are per rank and refused.
+        head_chunks: how many chunks each rank's heads are exchanged and attended in (about: a chunk
+            holds whole groups of query heads with their K/V head, or part of one group); None: chosen
+            from the size (:func:`~multihead.distributed.exchange.auto_head_chunks`). The bytes sent do
+            not depend on it; the peak memory does.
 
     Returns:
         (B, H, Lq_r, Dv): this rank's rows of ``multihead.attention`` over the whole sequences.
         Differentiable in q, k, v (and sinks); backward runs on every rank too.
 
-    Memory per rank: its H_r heads of the whole sequence, the same size as its shard of every head.
+    Memory per rank beyond its q, k, v and output: one chunk's query heads and output over the whole
+    sequence, the K/V slot they read, and the messages of one exchange.
     """
+    options = AttentionOptions(
+        mask=mask,
+        bias=bias,
+        causal=causal,
+        scale=scale,
+        softcap=softcap,
+        sinks=sinks,
+        dropout=dropout,
+        valid_lens=valid_lens,
+        segment_ids=segment_ids,
+    )
+    if alone(group):  # one rank: plain attention, no exchange and no copy
+        check_head_chunks(head_chunks)
+        return attend_alone(q, k, v, options, key_mask, layout, backend)
     plan = make_plan(
         q,
         k,
@@ -271,40 +148,79 @@ def ulysses_attention(
         scale=scale,
         segment_ids=segment_ids,
         strategy="ulysses",
+        head_chunks=head_chunks,
     )
+    return ulysses_with_plan(q, k, v, key_mask, plan, options, backend, head_chunks)
+
+
+def alone(group: Any) -> bool:
+    """Whether ``group`` is one rank (an initialized process group)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) == 1
+
+
+def attend_alone(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    options: AttentionOptions,
+    key_mask: Tensor | None,
+    layout: str,
+    backend: str,
+) -> Tensor:
+    """A group of one rank: :func:`multihead.attention_with` on q (B, H, L, Dk), k (B, Hkv, L, Dk),
+    v (B, Hkv, L, Dv), ``key_mask`` (B, L) joined to ``options.mask`` -> (B, H, L, Dv)."""
+    check_layout(layout)
+    if key_mask is not None:
+        options = options.replace(mask=and_keys(options.mask, key_mask))
+    out = attention_with(q, k, v, options, backend)
+    assert isinstance(out, Tensor)
+    return out
+
+
+def ulysses_with_plan(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    key_mask: Tensor | None,
+    plan: Plan,
+    options: AttentionOptions,
+    backend: str,
+    head_chunks: int | None,
+) -> Tensor:
+    """Ulysses over an agreed :class:`~.agree.Plan` (what :func:`ulysses_attention` runs after agreeing);
+    ``options`` as the caller gave them (global heads, this rank's ``valid_lens`` and ``segment_ids``)."""
+    group = plan.group
     shares = head_split(plan.heads, plan.kv_heads, plan.world)
-    mine = shares[plan.rank]
     qp, kp = plan.q_pos_all, plan.k_pos
-    options = AttentionOptions(
-        mask=None if mask is None else _OnHeads(mask, mine.q.start),
-        bias=None if bias is None else _OnHeads(bias, mine.q.start),
-        causal=causal,
-        scale=plan.scale,
-        softcap=softcap,
-        sinks=None if sinks is None else sinks[mine.q.start : mine.q.stop],
-        dropout=dropout,
-        valid_lens=valid_lens,
-    )
-    if valid_lens is not None and valid_lens.dim() == 2:  # (B, Lq_r): this rank's queries' counts
-        options = options.replace(valid_lens=gather_tokens(valid_lens, qp, group))  # (B, L_q)
+    options = options.replace(scale=plan.scale, segment_ids=None)
+    if options.valid_lens is not None and options.valid_lens.dim() == 2:  # (B, Lq_r): this rank's rows
+        options = options.replace(valid_lens=gather_tokens(options.valid_lens, qp, group))  # (B, L_q)
     if plan.q_ids is not None and plan.kv_ids is not None:
         ids = (gather_tokens(plan.q_ids, qp, group), gather_tokens(plan.kv_ids, kp, group))
         options = options.replace(segment_ids=ids)  # (B, L_q), (B, L_k)
+    keep = None
     if plan.has_key_mask:  # some rank has padding (a rank without key_mask has real keys only)
         keep = gather_tokens(keys_kept(key_mask, k), kp, group)  # (B, L_k)
-        options = options.replace(mask=_and_keys(options.mask, keep))
-    kv_of = [s.kv for s in shares]
-    qh, kh, vh = seq_to_heads(
-        [Part(q, [s.q for s in shares], qp), Part(k, kv_of, kp), Part(v, kv_of, kp)], group
-    )  # (B, H_r, L_q, Dk), (B, Hkv_r, L_k, Dk), (B, Hkv_r, L_k, Dv)
-    if mine.heads:
-        out = attention_with(qh, kh, vh, options, backend)  # (B, H_r, L_q, Dv)
+    most = max(s.heads for s in shares)
+    count = head_chunks or auto_head_chunks(plan.batch, sum(map(len, qp)), most, max(plan.dk, plan.dv))
+    mask, bias, sinks = options.mask, options.bias, options.sinks
+
+    def attend(x: Attend) -> Tensor:
+        w = x.q.shape[1]
+        local = options.replace(
+            mask=None if mask is None else _OnHeads(mask, x.first),
+            bias=None if bias is None else _OnHeads(bias, x.first),
+            sinks=None if sinks is None else sinks[x.first : x.first + w],
+        )
+        if keep is not None:
+            local = local.replace(mask=and_keys(local.mask, keep))
+        out = attention_with(x.q, x.k, x.v, local, backend)  # (B, w, L_q, Dv)
         assert isinstance(out, Tensor)
-        del qh, kh, vh  # without grad they are free now (with grad, attention saved what it needs)
-    else:  # more ranks than heads: this rank attends for none
-        out = qh.new_zeros(qh.shape[:3] + (v.shape[-1],))  # (B, 0, L_q, Dv)
-        out = out + 0 * (qh.sum() + kh.sum() + vh.sum())  # keep the exchanges in the graph (their backward)
-    return heads_to_seq(out, [s.heads for s in shares], qp, group)  # (B, H, Lq_r, Dv)
+        return out
+
+    return attend_in_chunks(
+        q, k, v, shares, (qp, kp), group, [count] * plan.world, attend
+    )  # (B, H, Lq_r, Dv)
 
 
 def keys_kept(key_mask: Tensor | None, k: Tensor) -> Tensor:
@@ -316,7 +232,7 @@ def keys_kept(key_mask: Tensor | None, k: Tensor) -> Tensor:
     )
 
 
-def _and_keys(mask: Callable[..., Tensor] | None, keep: Tensor) -> Any:
+def and_keys(mask: Callable[..., Tensor] | None, keep: Tensor) -> Any:
     """A key-padding mask (B, L_k) joined with a mask function: the key-padding tensor (B, 1, 1, L_k) or,
     with a function, one function of both."""
     pad = keep[:, None, None, :]  # (B, 1, 1, L_k)

@@ -168,8 +168,9 @@ def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser
     prune = sub.add_parser(
         "prune",
         help="prune the heads of a Hugging Face checkpoint folder",
-        description="Score a checkpoint's heads on your text, prune the least important, recover by "
-        "distilling toward the original, and save a folder that loads back (see docs/heads.md).",
+        description="Remove the heads whose output the rest of their layer can best make up for (measured "
+        "on your text), refit each pruned layer's output projection by least squares, recover by distilling "
+        "toward the original, and save a folder that loads back (see docs/heads.md).",
         epilog=PRUNE_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -130,7 +130,7 @@ def measure_case(
 
 
 def add_memory(record: CaseRecord, device: torch.device, progress: Progress) -> None:
-    """The peak memory of every run of a timed case that completed (one call each, after a warm call)."""
+    """The peak memory of every run of a timed case that completed (one call each, after two warm calls)."""
     if not record.case.measure_memory:
         return
     progress.update(0, case=record.case.name, step="")
@@ -140,7 +140,8 @@ def add_memory(record: CaseRecord, device: torch.device, progress: Progress) -> 
             step = build(r.contender, record.case.variant(r), device)  # its inputs stay alive: not growth
             if step.prepare is not None:
                 step.prepare()
-            step.run()  # warm (lazy initialisation, thread pools) as in the timed rounds
+            for _ in range(2):  # warm as the timed rounds are (2 warm-up rounds): lazy initialisation,
+                step.run()  # thread pools, and a compile that auto routing starts on a repeated call
             res.peak_memory_mib = peak_memory(step, device)
             progress.update(0, step=f"memory of {r.label}")
 

@@ -37,6 +37,7 @@ Dimensions: B batch, H query heads, Hkv kv heads, Lq/Lk lengths, D head dim, nq/
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import types
@@ -75,11 +76,13 @@ class _Entry:
 
     fn: object  # the function or BlockMask it serves (held: its id stays unique while cached)
     seen: int = 0
-    blocks: Blocks | None = None
     block_mask: object | None = None
-    versions: tuple = ()  # of a BlockMask's tables when its block mask was made
+    made_from: tuple = ()  # (structure or BlockMask, table versions) its block mask was made from
     run: Callable[..., Tensor] | None = None
     failed: str | None = None
+
+
+_MADE = itertools.count(1)  # entry points made: each gets a name (and code object) of its own
 
 
 def _entry_point() -> Callable[..., Tensor]:
@@ -90,8 +93,7 @@ def _entry_point() -> Callable[..., Tensor]:
     def run(q: Tensor, k: Tensor, v: Tensor, block_mask: object, scale: float, enable_gqa: bool) -> Tensor:
         return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)  # type: ignore[arg-type,return-value]
 
-    _entry_point.made = getattr(_entry_point, "made", 0) + 1  # type: ignore[attr-defined]
-    code = run.__code__.replace(co_name=f"flex_cpu_{_entry_point.made}")  # type: ignore[attr-defined]
+    code = run.__code__.replace(co_name=f"flex_cpu_{next(_MADE)}")
     fresh = types.FunctionType(code, run.__globals__, code.co_name, None, run.__closure__)
     return torch.compile(fresh, dynamic=False, fullgraph=True)
 
@@ -207,49 +209,47 @@ class CpuFlex:
     # ------------------------------------------------------------------------------------------
 
     def _key(self, call: AttentionCall) -> tuple:
-        fn = call.masks.mask_fn
-        source = getattr(fn, "source", None) or fn  # a BlockMask is wrapped anew on every call
-        return (id(source), tuple(call.q.shape), tuple(call.k.shape), call.scale)
+        return (id(_source(call)), tuple(call.q.shape), tuple(call.k.shape), call.scale)
 
     def _entry(self, call: AttentionCall) -> _Entry:
         key = self._key(call)
         entry = self._entries.get(key)
         if entry is None:
-            fn = call.masks.mask_fn
-            entry = self._entries[key] = _Entry(getattr(fn, "source", None) or fn)
+            entry = self._entries[key] = _Entry(_source(call))
             while len(self._entries) > self.capacity:
                 self._entries.popitem(last=False)
         self._entries.move_to_end(key)
         return entry
 
     def _block_mask(self, call: AttentionCall, entry: _Entry) -> object | None:
-        """The entry's block mask, rebuilt when the function's structure changed (a captured tensor was
-        written in place), or ``None`` when the structure cannot be bounded."""
+        """The entry's block mask, made again only when what it was made from changed (a captured tensor
+        written in place rebuilds the function's structure; a BlockMask's tables written in place), or
+        ``None`` when the function's structure cannot be bounded."""
         fn = call.masks.mask_fn
         target = (*call.q.shape[:3], call.k.shape[2])
-        if isinstance(fn, BlockMaskFunction):
-            versions = _versions(fn.source)
-            if fn.source is not None and entry.block_mask is not None and entry.versions == versions:
-                return entry.block_mask  # the same BlockMask, unchanged: wrapped anew on every call
-            entry.versions, coarse, inner = versions, fn.blocks, fn.inner
-            fine = self._fine(coarse, inner, target)
-            fine = None if fine is None else refine(coarse, fine)
-            blocks = fine if fine is not None and _spares(coarse, fine) else coarse
-            if blocks is coarse and fn.source is not None:
-                entry.blocks, entry.block_mask = blocks, fn.source  # the user's BlockMask, as given
-                return fn.source
-            mask_mod = inner
+        if isinstance(fn, BlockMaskFunction):  # a BlockMask is wrapped anew on every call: its own identity
+            coarse, inner, source = fn.blocks, fn.inner, fn.source
+            made_from = (source, _versions(source)) if source is not None else (coarse, ())
         else:
-            coarse = structure(fn, target, COARSE, COARSE)  # type: ignore[arg-type]
+            coarse, inner, source = structure(fn, target, COARSE, COARSE), fn, None  # type: ignore[arg-type]
             if coarse is None:
                 return None
-            fine = structure(fn, target, self.tile, self.tile)  # type: ignore[arg-type]
-            blocks, mask_mod = (fine if fine is not None and _spares(coarse, fine) else coarse), fn
-        if entry.blocks is not blocks or entry.block_mask is None:
-            entry.blocks, entry.block_mask = blocks, to_flex(blocks, mask_mod)
-            log.debug("compiled flex on the CPU: a %dx%d block mask for %s", blocks.block_q, blocks.block_k,
-                      _name(entry.fn))  # fmt: skip
-        return entry.block_mask
+            made_from = (coarse, ())  # structure() is cached: the same object until a captured tensor changes
+        if (
+            entry.block_mask is not None
+            and entry.made_from[0] is made_from[0]
+            and entry.made_from[1] == made_from[1]
+        ):
+            return entry.block_mask
+        fine = self._fine(coarse, inner, target)
+        fine = None if fine is None else refine(coarse, fine)
+        if fine is not None and _spares(coarse, fine):
+            block_mask = to_flex(fine, inner)
+        else:  # the user's BlockMask as given, or the coarse tiles
+            block_mask = source if source is not None else to_flex(coarse, inner)
+        entry.made_from, entry.block_mask = made_from, block_mask
+        log.debug("compiled flex on the CPU: a block mask for %s", _name(entry.fn))
+        return block_mask
 
     def _fine(self, coarse: Blocks, inner: object, target: tuple[int, int, int, int]) -> Blocks | None:
         """``inner``'s structure in :data:`TILE` tiles where it refines ``coarse`` (whose partial tiles
@@ -260,6 +260,13 @@ class CpuFlex:
         if coarse.block_q == self.tile and coarse.block_k == self.tile:
             return None
         return structure(inner, target, self.tile, self.tile)  # type: ignore[arg-type]
+
+
+def _source(call: AttentionCall) -> object:
+    """What a call's mask function was made from: a FlexAttention BlockMask (wrapped anew on every call),
+    else the function itself."""
+    fn = call.masks.mask_fn
+    return getattr(fn, "source", None) or fn
 
 
 def _spares(coarse: Blocks, fine: Blocks) -> bool:

@@ -109,21 +109,22 @@ def _short_rows(call: AttentionCall, m: Normalized) -> Tensor | None:
     if q.device.type != "cpu" or m.mask is None or m.bias is not None or m.causal or call.sinks is not None:
         return None
     b, h, lq, dk = q.shape
-    if b == 1 and m.mask.shape[0] == 1 and m.mask.shape[3] == k.shape[2] and not bool((~m.mask).any()):
-        return None
-    if is_tracing() or m.mask.shape[3] != k.shape[2]:
-        return None
+    per_key = 2 * h * lq * (dk + call.v.shape[3])  # FLOPs one key of one row costs
+    if is_tracing() or m.mask.shape[3] != k.shape[2] or per_key * k.shape[2] <= ROW_CALL_FLOPS:
+        return (
+            None  # (the last: even a row cut to no key would not pay for its call -- no pass over the mask)
+        )
     n = key_prefix(m.mask)  # (B|1,)
     if n is None:
         return None
     n = n.expand(b)  # (B,)
-    saved = 4 * h * lq * (dk + call.v.shape[3]) / 2 * int(b * k.shape[2] - n.sum())
+    saved = per_key * int(b * k.shape[2] - n.sum())
     return n if saved > ROW_CALL_FLOPS * b else None
 
 
 def _by_rows(call: AttentionCall, lengths: Tensor) -> Tensor:
     """Each batch row b against its first ``lengths[b]`` keys, unmasked (rows with none: output 0)
-    -> (B, H, Lq, Dv); one split of K/V's rows and one ``cat`` of the outputs (autograd follows)."""
+    -> (B, H, Lq, Dv); slices of K/V's rows and one ``cat`` of the outputs (autograd follows)."""
     q, k, v = call.q, call.k, call.v
     out = []
     for b, n in enumerate(lengths.tolist()):

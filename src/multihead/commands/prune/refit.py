@@ -153,14 +153,7 @@ def refit(
     for n in order:
         layer = output_projection(teacher, n, t_mods[n]).layer
         hooks.append(layer.register_forward_hook(_recorder(targets[n], current)))
-    with torch.no_grad():
-        try:
-            for b in batches:
-                current["mask"] = b.inputs["attention_mask"]
-                objective.forward(teacher, b)
-        finally:
-            for h in hooks:
-                h.remove()
+    _run_hooked(teacher, batches, objective, current, hooks)
     for n in order:
         proj = output_projection(student, n, s_mods[n])
         fit: LeastSquares | None = None
@@ -194,6 +187,15 @@ def output_fits(
 
     names = list(mods) if modules is None else list(modules)
     hooks = [output_projection(model, n, mods[n]).layer.register_forward_hook(adder(n)) for n in names]
+    _run_hooked(model, batches, objective, current, hooks)
+    return fits
+
+
+def _run_hooked(
+    model: nn.Module, batches: Sequence[Batch], objective: Objective, current: dict[str, Tensor], hooks: list
+) -> None:
+    """One no-grad pass of ``model`` over ``batches`` with ``current["mask"]`` set to each batch's attention
+    mask for the ``hooks`` to read; the hooks are removed afterwards, also on an error."""
     with torch.no_grad():
         try:
             for b in batches:
@@ -202,7 +204,6 @@ def output_fits(
         finally:
             for h in hooks:
                 h.remove()
-    return fits
 
 
 def _recorder(store: list[Tensor], current: dict[str, Tensor]) -> Callable[..., None]:

@@ -27,7 +27,6 @@ Targets: multihead >= 1.0x sdpa's speed without weights, >= 1.3x eager's speed w
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import platform
@@ -98,8 +97,11 @@ MATMUL_N = 1024  # the yardstick: an (n, n) @ (n, n) fp32 matmul, timed once in 
 BATCH = {"llama": 1, "bert": 2, "minilm": 32}
 
 
-def build(kind: str) -> dict[str, torch.nn.Module]:
-    """``{impl: model}``: one set of random weights under each attention implementation."""
+def build(kind: str) -> torch.nn.Module:
+    """The model of ``kind``, in eval mode. One model serves every attention implementation, switched before
+    each timed call: copies of it differ in where their weights lie in memory, which moved the linear
+    layers' time by up to 4% between two copies on the same implementation (more than the attention
+    differs in a decode step)."""
     torch.manual_seed(0)
     if kind == "minilm":
         base = T.AutoModel.from_pretrained(minilm_dir(), attn_implementation="eager")
@@ -124,12 +126,7 @@ def build(kind: str) -> dict[str, torch.nn.Module]:
             max_position_embeddings=1024,
         )
         base = T.AutoModel.from_config(cfg, attn_implementation="eager")
-    models = {}
-    for impl in IMPLS:
-        m = copy.deepcopy(base).eval()
-        m.set_attn_implementation(impl)
-        models[impl] = m
-    return models
+    return base.eval()
 
 
 def inputs(task: Task) -> dict[str, torch.Tensor]:
@@ -168,6 +165,12 @@ def timed(fn: Callable[[], object]) -> tuple[float, float]:
     return time.process_time() - c0, time.perf_counter() - t0
 
 
+def timed_on(model: torch.nn.Module, impl: str, fn: Callable[[], object]) -> tuple[float, float]:
+    """:func:`timed` of ``fn`` with ``model`` switched to attention implementation ``impl`` (not timed)."""
+    model.set_attn_implementation(impl)
+    return timed(fn)
+
+
 def quartiles(xs: list[float]) -> dict[str, float]:
     """Median and quartiles of ``xs`` (:func:`multihead.bench.stats.spread`, as a JSON-ready dict)."""
     return spread(xs)._asdict()
@@ -181,16 +184,16 @@ def run(rounds: int, new_tokens: int) -> tuple[list[dict], list[float]]:
     gflops: list[float] = []
     with Progress(len(TASKS) * rounds, "transformers bench") as bar:
         for task in TASKS:
-            models = built[task.model]
-            fns = {impl: step(task, models[impl], new_tokens) for impl in task.impls}
-            for fn in fns.values():  # warm-up: first calls allocate and pick kernels
-                timed(fn)
+            model = built[task.model]
+            fn = step(task, model, new_tokens)
+            for impl in task.impls:  # warm-up: first calls allocate and pick kernels
+                timed_on(model, impl, fn)
             cpu: dict[str, list[float]] = {impl: [] for impl in task.impls}
             wall: dict[str, list[float]] = {impl: [] for impl in task.impls}
             for r in range(rounds):
                 k = r % len(task.impls)
                 for impl in task.impls[k:] + task.impls[:k]:  # the order rotates every round
-                    c, w = timed(fns[impl])
+                    c, w = timed_on(model, impl, fn)
                     cpu[impl].append(c)
                     wall[impl].append(w)
                 gflops.append(2 * MATMUL_N**3 / timed(matmul)[1] / 1e9)

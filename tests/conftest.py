@@ -51,3 +51,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     first, second = heavy[0::2], heavy[1::2]
     cut = max(0, len(items) // 2 - len(first))  # the second half starts at len(items) // 2
     items[:] = first + rest[:cut] + second + rest[cut:]
+
+
+@pytest.fixture
+def registry():
+    """The backend registry and auto order restored after the test, whatever it registered."""
+    from multihead.core import backends
+
+    saved, order = dict(backends._REGISTRY), list(backends.AUTO_ORDER)
+    yield backends
+    backends._REGISTRY.clear()
+    backends._REGISTRY.update(saved)
+    backends.AUTO_ORDER[:] = order
+    backends._CHANGES[0] += 1  # the unmasked route is looked up again

@@ -31,16 +31,6 @@ class _Echo:
         return call.q, call.q.new_zeros(b, h, lq, call.k.shape[2])
 
 
-@pytest.fixture
-def registry():
-    """The registry and auto order restored after the test, whatever it registered."""
-    saved, order = dict(backends._REGISTRY), list(backends.AUTO_ORDER)
-    yield backends
-    backends._REGISTRY.clear()
-    backends._REGISTRY.update(saved)
-    backends.AUTO_ORDER[:] = order
-
-
 def _qkv():
     return (torch.randn(1, 2, 4, 8) for _ in range(3))  # (B, H, L, D)
 

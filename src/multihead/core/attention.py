@@ -135,10 +135,86 @@ def prepare(
     )
 
 
+def _nothing_to_mask(
+    mask: object,
+    bias: object,
+    valid_lens: object,
+    segment_ids: object,
+    softcap: object,
+    sinks: object,
+    dropout: object,
+    return_weights: object,
+) -> bool:
+    """Whether a call's options leave only ``causal`` and ``scale``: the unmasked lane may serve it."""
+    return (
+        mask is None
+        and bias is None
+        and valid_lens is None
+        and segment_ids is None
+        and softcap is None
+        and sinks is None
+        and not return_weights
+        and type(dropout) in (float, int)
+        and dropout == 0
+    )
+
+
+def _unmasked(q: Tensor, k: Tensor, v: Tensor, causal: object, scale: float | None) -> Tensor | None:
+    """The unmasked lane: an auto-routed call with nothing to mask (but ``causal`` where it is the kernel's
+    own, Lq == Lk, or moot, Lq == 1), served by :func:`~multihead.core.backends.unmasked_route`'s backend
+    without normalising masks or walking the registry -> (B, H, Lq, Dv); ``None`` where the call goes the
+    whole way (no such backend, anything unusual in q, k, v -- whose errors the whole way raises -- or
+    under ``torch.compile``).
+
+    The same kernel call the whole way makes (tests/test_attention.py compares the two), for what a decode
+    step or a plain encoder layer costs in Python: about a third of the whole way's.
+    """
+    if torch.compiler.is_compiling():
+        return (
+            None  # compiled code pays no Python per call; the whole way also keeps symbolic shapes symbolic
+        )
+    route = _backends.unmasked_route()
+    if route is None or not _plain_qkv(q, k, v):
+        return None
+    lq, lk = q.shape[2], k.shape[2]
+    if causal:
+        if lq != lk and lq != 1:
+            return None  # bottom-right alignment with Lq != Lk: a mask the kernel's flag does not make
+        causal = lq > 1  # Lq == 1 sees every key
+    return route(q, k, v, bool(causal), check_scale(scale, q.shape[3]))
+
+
+def _plain_qkv(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether q (B, H, Lq, Dk), k (B, Hkv, Lk, Dk), v (B, Hkv, Lk, Dv) pass :func:`check_qkv` with no length
+    0 -- tested without formatting anything (False: the whole way checks and names the problem)."""
+    if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)):
+        return False
+    qs, ks, vs = q.shape, k.shape, v.shape
+    return (
+        len(qs) == len(ks) == len(vs) == 4
+        and qs[0] == ks[0] == vs[0]
+        and ks[1] == vs[1] > 0
+        and ks[2] == vs[2] > 0
+        and qs[2] > 0
+        and qs[3] == ks[3]
+        and qs[1] % ks[1] == 0
+        and q.dtype == k.dtype == v.dtype
+        and q.is_floating_point()
+        and q.device == k.device == v.device
+    )
+
+
 def attention_with(
     q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions, backend: str = "auto"
 ) -> Tensor | AttentionOutput:
     """:func:`attention` with its options as one record (what the layers below the public API pass)."""
+    o = options
+    if backend == "auto" and _nothing_to_mask(
+        o.mask, o.bias, o.valid_lens, o.segment_ids, o.softcap, o.sinks, o.dropout, o.return_weights
+    ):
+        out = _unmasked(q, k, v, o.causal, o.scale)
+        if out is not None:
+            return out
     call = prepare(q, k, v, options)
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a str ('auto', {', '.join(map(repr, _backends.available()))})")
@@ -217,6 +293,12 @@ def attention(
     Equals ``softmax(softcap(q @ k^T * scale) + bias, masked) @ v`` with K/V repeated H // Hkv times;
     see :func:`attention_reference`.
     """
+    if backend == "auto" and _nothing_to_mask(
+        mask, bias, valid_lens, segment_ids, softcap, sinks, dropout, return_weights
+    ):
+        out = _unmasked(q, k, v, causal, scale)
+        if out is not None:
+            return out
     options = (
         AttentionOptions(  # the ten keywords above, as one record (not locals(): dynamo < 2.9 refuses it)
             mask=mask,

@@ -19,6 +19,7 @@ hands them the record without unpacking it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -88,6 +89,15 @@ class AttentionOptions:
         """Names of the options that differ from their defaults (what a call actually asks for)."""
         return tuple(name for name in OPTION_NAMES if not _is_default(name, getattr(self, name)))
 
+    @staticmethod
+    def unmasked(causal: bool, scale: float | None, dropout: float, return_weights: bool) -> AttentionOptions:
+        """The record of a call with nothing but these four options -- shared, not built again, for the
+        plain numbers (floats, ints, None, bools) a model passes on every call."""
+        key = (causal, scale, dropout, return_weights)
+        if all(type(x) in _PLAIN_TYPES for x in key):
+            return _unmasked_record(*key)
+        return AttentionOptions(causal=causal, scale=scale, dropout=dropout, return_weights=return_weights)
+
     @classmethod
     def of(cls, **kwargs: Any) -> AttentionOptions:
         """The record of :func:`multihead.attention`'s keywords; an unknown keyword is a TypeError."""
@@ -100,6 +110,16 @@ class AttentionOptions:
 
 
 OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(AttentionOptions))
+_PLAIN_TYPES = (bool, int, float, type(None))
+
+
+@functools.lru_cache(maxsize=256)
+def _unmasked_record(
+    causal: bool, scale: float | None, dropout: float, return_weights: bool
+) -> AttentionOptions:
+    return AttentionOptions(causal=causal, scale=scale, dropout=dropout, return_weights=return_weights)
+
+
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(AttentionOptions)}
 
 

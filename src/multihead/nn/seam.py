@@ -43,7 +43,7 @@ from typing import Any, Protocol
 
 from torch import Tensor, nn
 
-from ..core.attention import attention, output_and_weights
+from ..core.attention import attention, attention_with, output_and_weights
 from ..core.options import AttentionFn, AttentionOptions, call_attention_fn, options_of
 
 __all__ = [
@@ -139,6 +139,34 @@ class AttentionModule(Protocol):
     backend: str
 
 
+_MISSING = object()
+
+
+def _read(module: object, name: str, default: Any) -> Any:
+    """``getattr(module, name, default)``, without the exception ``nn.Module.__getattr__`` raises and
+    catches for a name a module lacks (a few microseconds on every call of a Hugging Face module, which has
+    neither ``attention_fn`` nor ``backend``): an instance attribute, else a class attribute or
+    descriptor, else a registered parameter, buffer or submodule, else ``default``."""
+    state = getattr(module, "__dict__", None)
+    if state is None or type(module).__getattr__ is not nn.Module.__getattr__:  # type: ignore[comparison-overlap]
+        return getattr(module, name, default)  # not a plain module: its own rules
+    if name in state:
+        return state[name]
+    if hasattr(type(module), name):
+        return getattr(module, name)
+    for store in ("_parameters", "_buffers", "_modules"):
+        found = state.get(store, {}).get(name, _MISSING)
+        if found is not _MISSING:
+            return found
+    return default
+
+
+def attention_fn_of(module: object) -> AttentionFn:
+    """The attention function :func:`attend` calls for ``module``: its ``attention_fn``, or
+    :func:`multihead.attention` for a module without one (another library's)."""
+    return _read(module, "attention_fn", attention)
+
+
 def is_sharded(fn: AttentionFn) -> bool:
     """Whether ``fn`` takes one rank's shards of the sequences (ring attention)."""
     return bool(getattr(fn, "sharded", False))
@@ -182,8 +210,12 @@ def attend(
     if not asked and _wants_weights(inspectors):
         options = options.replace(return_weights=True)
     # a module of another library (a Hugging Face attention module) carries neither: the defaults
-    fn = getattr(module, "attention_fn", attention)
-    res = call_attention_fn(fn, q, k, v, options, getattr(module, "backend", "auto"))
+    fn = attention_fn_of(module)
+    backend = _read(module, "backend", "auto")
+    if fn is attention:  # the default takes the record as it is (no keywords unpacked and packed again)
+        res = attention_with(q, k, v, options, backend)
+    else:
+        res = call_attention_fn(fn, q, k, v, options, backend)
     heads, weights = output_and_weights(res)  # (B, H, Lq, Dv), (B, H, Lq, Lk) | None
     for inspector in inspectors:  # each sees the heads the inspectors before it left
         heads = inspector.on_heads(module, heads, weights)  # type: ignore[arg-type]

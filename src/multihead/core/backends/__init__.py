@@ -12,6 +12,10 @@ cannot serve the call raises a ``ValueError`` listing its reasons -- a backend n
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from torch import Tensor
+
 from . import blocked as _blocked
 from . import flex as _flex
 from . import math as _math
@@ -28,12 +32,16 @@ __all__ = [
     "get",
     "register",
     "select",
+    "unmasked_route",
     "unregister",
 ]
 
 
 _REGISTRY: dict[str, Backend] = {}
 AUTO_ORDER: list[str] = []
+_CHANGES = [0]  # bumped by every register/unregister: the unmasked route is recomputed after one
+
+UnmaskedFn = Callable[[Tensor, Tensor, Tensor, bool, float], "Tensor | None"]
 
 
 def register(
@@ -69,6 +77,7 @@ def register(
                 f"auto order {others}"
             )
     _REGISTRY[name] = backend
+    _CHANGES[0] += 1
     if not auto:
         if name in AUTO_ORDER:
             AUTO_ORDER.remove(name)
@@ -88,6 +97,7 @@ def unregister(name: str) -> Backend:
     """Remove the backend called ``name`` from the registry and the auto order; returns it."""
     backend = get(name)
     del _REGISTRY[name]
+    _CHANGES[0] += 1
     if name in AUTO_ORDER:
         AUTO_ORDER.remove(name)
     return backend
@@ -127,6 +137,29 @@ def _deferred(backend: Backend, call: AttentionCall) -> Backend:
         return backend
     other = _REGISTRY[deferral.to]
     return other if _serves(other, call) else backend
+
+
+_ROUTE: list[tuple[int, UnmaskedFn | None]] = [(-1, None)]
+
+
+def unmasked_route() -> UnmaskedFn | None:
+    """The ``unmasked(q, k, v, causal, scale)`` method of the backend auto routing gives an unmasked call
+    (no mask, bias, softcap, sinks, dropout or weights), or ``None`` where that backend has none.
+
+    Walks :data:`AUTO_ORDER` past the backends that declare ``serves_unmasked = False``; any other backend
+    ahead of one with the method (a user's, say) takes the lane away. Recomputed after the registry changes.
+    """
+    changes, route = _ROUTE[0]
+    if changes == _CHANGES[0]:
+        return route
+    route = None
+    for name in AUTO_ORDER:
+        backend = _REGISTRY[name]
+        if getattr(backend, "serves_unmasked", True):
+            route = getattr(backend, "unmasked", None)
+            break
+    _ROUTE[0] = (_CHANGES[0], route)
+    return route
 
 
 def select(call: AttentionCall, name: str = "auto") -> Backend:

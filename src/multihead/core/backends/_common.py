@@ -26,8 +26,10 @@ def kv_for_cpu_kernel(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     """K/V as this torch's fused CPU kernel takes them: as they are (grouped or not; any device but CPU
     before torch 2.9), or repeated to H heads, (B, H, Lk, Dk) and (B, H, Lk, Dv) -- one copy of K/V, where
     the fallback would hold every (query, key) score."""
+    if FUSED_CPU_TAKES_GROUPS:
+        return k, v
     g = q.shape[1] // k.shape[1]
-    if FUSED_CPU_TAKES_GROUPS or g == 1 or q.device.type != "cpu":
+    if g == 1 or q.device.type != "cpu":
         return k, v
     return k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # (B, H, Lk, Dk), (B, H, Lk, Dv)
 

@@ -53,7 +53,14 @@ class Backend(Protocol):
     ``defers(call)`` names a backend that serves an auto-routed call it could serve for less (a
     :class:`Deferral`, or ``None``: it keeps the call; optional -- a backend without it never defers; an
     explicit ``backend=`` is served regardless), and ``backend(call)`` returns
-    ``(output (B, H, Lq, Dv), weights (B, H, Lq, Lk) or None)``."""
+    ``(output (B, H, Lq, Dv), weights (B, H, Lq, Lk) or None)``.
+
+    Optional, for the unmasked lane (:func:`~multihead.core.backends.unmasked_route`): a backend that never
+    serves an *unmasked* call -- no mask, bias, softcap, sinks, dropout or weights -- says so with
+    ``serves_unmasked = False``; one that does may serve it directly with ``unmasked(q, k, v, causal,
+    scale) -> (B, H, Lq, Dv)`` or ``None`` (not this call: it goes the whole way), skipping validation
+    of masks it does not have and the registry walk.
+    """
 
     name: str
 

@@ -76,6 +76,7 @@ def _run_flex(
 
 class FlexBackend:
     name = "flex"
+    serves_unmasked = False  # why_not refuses a call with nothing to mask: the fused sdpa kernels serve it
 
     def __init__(
         self, *, compiled: bool = True, cpu: CpuFlex | None = None, fallback: Backend | None = None

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from ..masks import Normalized
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def _cuda_kernels() -> contextlib.AbstractContextManager:
@@ -186,17 +187,40 @@ class SDPABackend:
         if call.sinks is not None:
             k, v, attn_mask = _with_sink_key(q, k, v, attn_mask, is_causal, call.sinks)
             is_causal = False
-        k, v = kv_for_cpu_kernel(q, k, v)  # repeated to H heads on CPU before torch 2.9 only
-        fused = q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
-        with _cuda_kernels() if fused else contextlib.nullcontext():
-            out = F.scaled_dot_product_attention(
-                q,  # (B, H, Lq, Dk), any strides with a contiguous last dim
-                k,  # (B, Hkv, Lk, Dk), Lk + 1 with sinks
-                v,  # (B, Hkv, Lk, Dv)
-                attn_mask=attn_mask,
-                dropout_p=call.dropout,
-                is_causal=is_causal,
-                scale=call.scale,
-                enable_gqa=k.shape[1] != q.shape[1],
-            )  # (B, H, Lq, Dv)
+        out = _kernel(q, k, v, attn_mask, is_causal, call.dropout, call.scale)  # (B, H, Lq, Dv)
         return zero_dead_rows(out, m.row_ok), None
+
+    def unmasked(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Tensor | None:
+        """The unmasked lane (:func:`~multihead.core.backends.unmasked_route`): q (B, H, Lq, Dk), k/v
+        (B, Hkv, Lk, D) already checked, ``causal`` only with Lq == Lk -> (B, H, Lq, Dv); ``None`` for a
+        dtype this backend does not serve. The same kernel call as :meth:`__call__` makes for such a call."""
+        if q.dtype not in _DTYPES:
+            return None
+        return _kernel(q, k, v, None, causal, 0.0, scale)
+
+
+def _kernel(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool, dropout: float, scale: float
+) -> Tensor:
+    """PyTorch's fused attention on q (B, H, Lq, Dk), k (B, Hkv, Lk, Dk), v (B, Hkv, Lk, Dv) -> (B, H, Lq, Dv):
+    grouped K/V as this torch's CPU kernel takes them, flash first on CUDA for half precision."""
+    k, v = kv_for_cpu_kernel(q, k, v)  # repeated to H heads on CPU before torch 2.9 only
+    if q.is_cuda and q.dtype in _HALF:
+        with _cuda_kernels():
+            return _fused(q, k, v, attn_mask, is_causal, dropout, scale)
+    return _fused(q, k, v, attn_mask, is_causal, dropout, scale)
+
+
+def _fused(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool, dropout: float, scale: float
+) -> Tensor:
+    return F.scaled_dot_product_attention(
+        q,  # (B, H, Lq, Dk), any strides with a contiguous last dim
+        k,  # (B, Hkv, Lk, Dk), Lk + 1 with sinks
+        v,  # (B, Hkv, Lk, Dv)
+        attn_mask=attn_mask,
+        dropout_p=dropout,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=k.shape[1] != q.shape[1],
+    )  # (B, H, Lq, Dv)

@@ -91,9 +91,7 @@ def attention_forward(
     config = getattr(module, "config", None)
     if config is not None:
         _check_config(config)
-    if seam.is_sharded(
-        getattr(module, "attention_fn", None)
-    ):  # inside multihead.distributed.context_parallel
+    if seam.is_sharded(seam.attention_fn_of(module)):  # inside multihead.distributed.context_parallel
         return _sharded_forward(
             module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs
         )
@@ -139,17 +137,21 @@ def attention_forward(
             f"sink logit per query head, shape ({query.shape[1]},) (gpt-oss's s_aux); run this model with "
             f"attn_implementation='eager'"
         )
-    options = AttentionOptions(
-        mask=mask,
-        bias=bias,
-        causal=causal,
-        scale=scaling,
-        dropout=dropout,
-        segment_ids=segment_ids,
-        softcap=kwargs.get("softcap"),
-        sinks=sinks,
-        return_weights=_weights_requested(kwargs),
-    )
+    softcap = kwargs.get("softcap")
+    if mask is None and bias is None and segment_ids is None and softcap is None and sinks is None:
+        options = AttentionOptions.unmasked(causal, scaling, dropout, _weights_requested(kwargs))
+    else:
+        options = AttentionOptions(
+            mask=mask,
+            bias=bias,
+            causal=causal,
+            scale=scaling,
+            dropout=dropout,
+            segment_ids=segment_ids,
+            softcap=softcap,
+            sinks=sinks,
+            return_weights=_weights_requested(kwargs),
+        )
     heads, weights = seam.attend(module, query, key, value, options)  # type: ignore[arg-type]
     # (B, H, Lq, D), (B, H, Lq, Lk) | None
     return heads.transpose(1, 2).contiguous(), weights  # (B, Lq, H, D)

@@ -28,7 +28,26 @@ def _routes_through_interface(model_class: type) -> bool:
     return bool(check())
 
 
-_RECORDER_WARNED: list[bool] = []
+_COLLECTOR: list[Any] = []  # transformers' collector context variable, once found (None: it moved)
+
+
+def _collector() -> Any:
+    """``transformers.utils.output_capturing._active_collector``, looked up once; None if it is gone (a
+    warning names the version)."""
+    if not _COLLECTOR:
+        try:
+            from transformers.utils.output_capturing import _active_collector
+        except ImportError:
+            _active_collector = None
+        _COLLECTOR.append(_active_collector)
+        if _active_collector is None:
+            warnings.warn(
+                f"transformers {transformers.__version__} moved its output collector; multihead computes "
+                f"attention weights on every call until it is updated",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+    return _COLLECTOR[0]
 
 
 def _recording_attentions() -> bool:
@@ -39,20 +58,10 @@ def _recording_attentions() -> bool:
     ``transformers.utils.output_capturing._active_collector``. If it is gone, weights are always computed
     (correct, slower) and a warning names the version.
     """
-    try:
-        from transformers.utils.output_capturing import _active_collector
-
-        collected = _active_collector.get()
-    except (ImportError, AttributeError):
-        if not _RECORDER_WARNED:
-            _RECORDER_WARNED.append(True)
-            warnings.warn(
-                f"transformers {transformers.__version__} moved its output collector; multihead computes "
-                f"attention weights on every call until it is updated",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+    collector = _collector()
+    if collector is None:
         return True
+    collected = collector.get()
     return bool(collected) and any(key.endswith("attentions") for key in collected)
 
 

@@ -1,0 +1,210 @@
+"""The unmasked lane: an auto-routed call with nothing to mask goes straight to the fused kernel.
+
+It must give what the whole way (validate, normalise masks, walk the registry) gives, take autograd
+along, leave every unusual call -- and every error message -- to the whole way, and step aside when a
+user's backend is registered ahead of the kernel's.
+
+Dimensions: B batch, H heads, Hkv kv heads, Lq/Lk lengths, D head dim.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from torch import nn
+
+import multihead as mh
+from multihead.core import backends
+from multihead.nn import seam
+from multihead.testing import compare_to_reference
+
+pytestmark = pytest.mark.numerics  # compares with float64: tests/cpu_kernels.py
+
+core_attention = importlib.import_module("multihead.core.attention")
+
+
+@pytest.fixture
+def lane(monkeypatch):
+    """Counts the calls the unmasked lane serves."""
+    served = []
+    real = backends.unmasked_route
+
+    def spy():
+        route = real()
+        if route is None:
+            return None
+
+        def counted(*args):
+            out = route(*args)
+            served.append(out is not None)
+            return out
+
+        return counted
+
+    monkeypatch.setattr(core_attention._backends, "unmasked_route", spy)
+    return served
+
+
+def _qkv(b, h, hkv, lq, lk, d=16, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, lq, d, generator=g).to(dtype)
+    k = torch.randn(b, hkv, lk, d, generator=g).to(dtype)
+    v = torch.randn(b, hkv, lk, d, generator=g).to(dtype)
+    return q, k, v
+
+
+SHAPES = [  # (B, H, Hkv, Lq, Lk, causal)
+    (2, 4, 4, 7, 7, False),
+    (2, 4, 4, 7, 7, True),
+    (1, 8, 2, 1, 33, True),  # a decode step: Lq = 1 sees every key
+    (1, 8, 2, 1, 33, False),
+    (3, 6, 3, 5, 9, False),  # Lq != Lk, grouped
+    (1, 4, 1, 1, 1, True),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize(("b", "h", "hkv", "lq", "lk", "causal"), SHAPES)
+def test_the_lane_serves_plain_calls_within_the_2x_rule(lane, dtype, b, h, hkv, lq, lk, causal):
+    q, k, v = _qkv(b, h, hkv, lq, lk, dtype=dtype)
+    report = compare_to_reference(mh.attention, q, k, v, causal=causal, scale=0.3)
+    assert lane == [True], "the lane did not serve the call (the reference runs do not use it)"
+    assert report.ok, report
+
+
+@pytest.mark.parametrize(("b", "h", "hkv", "lq", "lk", "causal"), SHAPES)
+def test_the_lane_gives_what_the_whole_way_gives_forward_and_backward(lane, b, h, hkv, lq, lk, causal):
+    q, k, v = _qkv(b, h, hkv, lq, lk)
+    fast_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    whole_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    fast = mh.attention(*fast_in, causal=causal)
+    assert lane == [True]
+    whole = mh.attention(*whole_in, causal=causal, backend="sdpa")  # named: the whole way
+    assert lane == [True]
+    torch.testing.assert_close(fast, whole, rtol=1e-6, atol=1e-6)
+    g = torch.randn_like(fast)
+    fast.backward(g)
+    whole.backward(g)
+    for a, w in zip(fast_in, whole_in):
+        torch.testing.assert_close(a.grad, w.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"causal": True},  # with Lq = 3 != Lk = 5: bottom-right, a mask the kernel's flag does not make
+        {"mask": torch.ones(3, 5, dtype=torch.bool)},
+        {"valid_lens": torch.tensor([4, 5])},
+        {"dropout": 0.1},
+        {"softcap": 5.0},
+        {"sinks": torch.zeros(4)},
+        {"return_weights": True},
+        {"backend": "sdpa"},
+        {"backend": "math"},
+    ],
+    ids=lambda kw: next(iter(kw)),
+)
+def test_everything_else_goes_the_whole_way(lane, kwargs):
+    q, k, v = _qkv(2, 4, 2, 3, 5)
+    out = mh.attention(q, k, v, **kwargs)
+    assert lane == []
+    if kwargs.get("dropout") or kwargs.get("return_weights"):
+        return
+    options = {n: x for n, x in kwargs.items() if n != "backend"}
+    backend = kwargs.get("backend", "auto")
+    report = compare_to_reference(
+        lambda *a, **kw: mh.attention(*a, backend=backend, **kw), q, k, v, **options
+    )
+    assert report.ok and out.shape == (2, 4, 3, 16), report
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "words"),
+    [
+        (lambda: (torch.randn(2, 3, 4), torch.randn(2, 3, 4), torch.randn(2, 3, 4)), ValueError, "4-D"),
+        (
+            lambda: (torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4).double(), torch.randn(1, 2, 3, 4)),
+            TypeError,
+            "share one dtype",
+        ),
+        (
+            lambda: (torch.randn(1, 3, 3, 4), torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)),
+            ValueError,
+            "H=3",
+        ),
+        (lambda: (torch.randn(1, 2, 3, 4), torch.randn(1, 2, 0, 4), torch.randn(1, 2, 0, 4)), None, None),
+        (lambda: ([[1.0]], torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)), TypeError, "torch.Tensor"),
+    ],
+    ids=["3-D", "dtypes", "heads", "no keys", "a list"],
+)
+def test_bad_or_unusual_input_gets_the_whole_ways_answer(lane, make, error, words):
+    q, k, v = make()
+    if error is None:  # no keys: every row dead -> 0, as the whole way says
+        assert mh.attention(q, k, v).abs().max() == 0
+    else:
+        with pytest.raises(error, match=words):
+            mh.attention(q, k, v)
+    assert lane == []
+
+
+class _Plain:
+    """A user backend that serves every call (output = q), with no word on unmasked calls."""
+
+    name = "plain"
+
+    def __init__(self):
+        self.calls = 0
+
+    def why_not(self, call):
+        return ()
+
+    def __call__(self, call):
+        self.calls += 1
+        return call.q, None
+
+
+def test_a_user_backend_ahead_of_sdpa_takes_the_lane_away_until_it_leaves(registry):
+    sdpa = registry.get("sdpa")
+    assert registry.unmasked_route() == sdpa.unmasked  # flex said it never serves such a call
+    plain = registry.register(_Plain(), before="sdpa")
+    assert registry.unmasked_route() is None
+    q, k, v = _qkv(1, 2, 2, 4, 4)
+    assert mh.attention(q, k, v) is q and plain.calls == 1  # the user's backend, not the kernel
+    registry.unregister("plain")
+    assert registry.unmasked_route() == sdpa.unmasked
+    assert mh.attention(q, k, v) is not q and plain.calls == 1
+
+
+def test_a_dtype_the_kernel_does_not_serve_goes_the_whole_way(registry):
+    route = registry.unmasked_route()
+    q, k, v = (torch.randn(1, 2, 3, 4, dtype=torch.complex64) for _ in range(3))
+    assert route(q, k, v, False, 0.5) is None
+
+
+class _Fn:
+    def __call__(self, q, k, v, **kw):
+        return mh.attention(q, k, v, **kw)
+
+
+class _WithClassFn(nn.Module):
+    attention_fn = staticmethod(mh.attention)
+
+
+class _WithProperty(nn.Module):
+    @property
+    def backend(self):
+        return "math"
+
+
+def test_the_seam_reads_a_modules_function_and_backend_wherever_they_live():
+    plain = nn.Linear(2, 2)  # another library's module: neither
+    assert seam.attention_fn_of(plain) is mh.attention and seam._read(plain, "backend", "auto") == "auto"
+    own = mh.MultiHeadAttention(8, 2, attention_fn=_Fn())
+    assert isinstance(seam.attention_fn_of(own), _Fn)  # an instance attribute
+    assert seam.attention_fn_of(_WithClassFn()) is mh.attention  # a class attribute
+    assert seam._read(_WithProperty(), "backend", "auto") == "math"  # a property
+    holder = nn.Module()
+    holder.attention_fn = nn.Identity()  # a submodule
+    assert isinstance(seam.attention_fn_of(holder), nn.Identity)

@@ -113,3 +113,28 @@ def test_mask_interface_keeps_dense_masks_where_nothing_is_packed():
     # a model that asks for the materialised mask (to combine it) gets the tensor
     dense = mhtf.mask_interface(**kw, allow_is_causal_skip=False)
     assert torch.equal(dense, sdpa_mask(**kw, allow_is_causal_skip=False))
+
+
+def test_a_forward_passes_packing_is_found_once_and_found_again_when_positions_change():
+    """The layers of one forward pass share ``position_ids``: their sequence ids are computed once, and again
+    for a new tensor or after the same tensor changed in place (also for an inference tensor)."""
+    from multihead.integrations.transformers.attention import _segments
+
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    first = _segments({"position_ids": positions}, 2, 6)
+    assert torch.equal(first, torch.tensor([[0, 0, 0, 1, 1, 1]] * 2))
+    assert _segments({"position_ids": positions}, 2, 6) is first  # the next layer: kept
+    assert _segments({"position_ids": positions}, 1, 6).shape == (1, 6)  # another batch size: computed
+    positions[0, 3:] = torch.tensor([3, 4, 5])  # in place: one sequence now
+    assert _segments({"position_ids": positions}, 1, 6) is None
+    assert _segments({"position_ids": torch.tensor([[0, 1, 0, 1, 2, 3]])}, 1, 6).tolist() == [
+        [0, 0, 1, 1, 1, 1]
+    ]
+    with torch.inference_mode():
+        restarts = torch.tensor([[0, 1, 2, 0, 1, 0]])
+        assert _segments({"position_ids": restarts}, 1, 6).tolist() == [[0, 0, 0, 1, 1, 2]]
+        restarts[0, 5] = 2
+        assert _segments({"position_ids": restarts}, 1, 6).tolist() == [[0, 0, 0, 1, 1, 1]]
+    starts = torch.tensor([0, 6])  # cu_seq_lens_q of one sequence: nothing to separate
+    assert _segments({"cu_seq_lens_q": starts}, 1, 6) is None
+    assert _segments({"cu_seq_lens_q": torch.tensor([0, 2, 6])}, 1, 6).tolist() == [[0, 0, 1, 1, 1, 1]]

@@ -189,15 +189,19 @@ def _plain_qkv(q: Tensor, k: Tensor, v: Tensor) -> bool:
     0 -- tested without formatting anything (False: the whole way checks and names the problem)."""
     if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)):
         return False
-    qs, ks, vs = q.shape, k.shape, v.shape
+    try:
+        b, h, lq, dk = q.shape
+        bk, hkv, lk, dk2 = k.shape
+        bv, hv, lv, _ = v.shape
+    except ValueError:  # not 4-D
+        return False
     return (
-        len(qs) == len(ks) == len(vs) == 4
-        and qs[0] == ks[0] == vs[0]
-        and ks[1] == vs[1] > 0
-        and ks[2] == vs[2] > 0
-        and qs[2] > 0
-        and qs[3] == ks[3]
-        and qs[1] % ks[1] == 0
+        b == bk == bv
+        and hkv == hv > 0
+        and lk == lv > 0
+        and lq > 0
+        and dk == dk2
+        and h % hkv == 0
         and q.dtype == k.dtype == v.dtype
         and q.is_floating_point()
         and q.device == k.device == v.device

@@ -93,9 +93,13 @@ class AttentionOptions:
     def unmasked(causal: bool, scale: float | None, dropout: float, return_weights: bool) -> AttentionOptions:
         """The record of a call with nothing but these four options -- shared, not built again, for the
         plain numbers (floats, ints, None, bools) a model passes on every call."""
-        key = (causal, scale, dropout, return_weights)
-        if all(type(x) in _PLAIN_TYPES for x in key):
-            return _unmasked_record(*key)
+        if (
+            type(causal) in _PLAIN_TYPES
+            and type(scale) in _PLAIN_TYPES
+            and type(dropout) in _PLAIN_TYPES
+            and type(return_weights) in _PLAIN_TYPES
+        ):
+            return _unmasked_record(causal, scale, dropout, return_weights)
         return AttentionOptions(causal=causal, scale=scale, dropout=dropout, return_weights=return_weights)
 
     @classmethod

@@ -142,17 +142,25 @@ class AttentionModule(Protocol):
 _MISSING = object()
 
 
+_CLASS_HAS: dict[tuple[type, str], bool] = {}  # (module class, name) -> the class defines name
+
+
 def _read(module: object, name: str, default: Any) -> Any:
     """``getattr(module, name, default)``, without the exception ``nn.Module.__getattr__`` raises and
     catches for a name a module lacks (a few microseconds on every call of a Hugging Face module, which has
     neither ``attention_fn`` nor ``backend``): an instance attribute, else a class attribute or
     descriptor, else a registered parameter, buffer or submodule, else ``default``."""
+    cls = type(module)
     state = getattr(module, "__dict__", None)
-    if state is None or type(module).__getattr__ is not nn.Module.__getattr__:  # type: ignore[comparison-overlap]
+    if state is None or cls.__getattr__ is not nn.Module.__getattr__:  # type: ignore[comparison-overlap]
         return getattr(module, name, default)  # not a plain module: its own rules
-    if name in state:
-        return state[name]
-    if hasattr(type(module), name):
+    found = state.get(name, _MISSING)
+    if found is not _MISSING:
+        return found
+    on_class = _CLASS_HAS.get((cls, name))
+    if on_class is None:
+        on_class = _CLASS_HAS[(cls, name)] = hasattr(cls, name)
+    if on_class:
         return getattr(module, name)
     for store in ("_parameters", "_buffers", "_modules"):
         found = state.get(store, {}).get(name, _MISSING)

@@ -41,19 +41,47 @@ def segments_from_positions(position_ids: Tensor) -> Tensor:
 
 def _packed_segments(position_ids: Tensor) -> Tensor | None:
     """(B, L) sequence ids where positions restart, or None when every row is one sequence."""
-    ids = segments_from_positions(position_ids)  # (B, L)
-    return ids if bool(ids[:, -1].any()) else None
+    if not bool((torch.diff(position_ids, dim=-1) != 1).any()):
+        return None  # the common case, in two small ops
+    return segments_from_positions(position_ids)  # (B, L)
+
+
+_LAST_IDS: list[tuple[Tensor, int, int, Tensor | None]] = []  # (position_ids, its version, B, ids)
+
+
+def _version(t: Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor keeps no version counter
+        return None
+
+
+def _ids_of_positions(positions: Tensor, batch: int) -> Tensor | None:
+    """:func:`_packed_segments` of ``positions`` (B|1, L) for ``batch`` rows; the layers of one forward pass
+    get the same ``position_ids`` tensor, so its answer is kept for the next layer (while the tensor is
+    unchanged: the same object, the same version)."""
+    version = None if torch.compiler.is_compiling() else _version(positions)
+    if version is not None and _LAST_IDS:
+        last, last_version, last_batch, ids = _LAST_IDS[0]
+        if last is positions and last_version == version and last_batch == batch:
+            return ids
+    ids = _packed_segments(positions.expand(batch, -1))  # (B, L) | None
+    if version is not None:
+        _LAST_IDS[:] = [(positions, version, batch, ids)]
+    return ids
 
 
 def _segments(kwargs: Mapping[str, Any], batch: int, length: int) -> Tensor | None:
-    """Sequence ids (B, L) of a packed batch from ``position_ids`` or ``cu_seq_lens_q``; None if absent."""
+    """Sequence ids (B, L) of a packed batch from ``position_ids`` or ``cu_seq_lens_q``; None if absent or
+    when every row is one sequence."""
     positions = kwargs.get("position_ids")
     if isinstance(positions, Tensor) and positions.dim() == 2 and positions.shape[-1] == length:
-        return segments_from_positions(positions.expand(batch, -1))  # (B, L)
+        return _ids_of_positions(positions, batch)  # (B, L) | None
     starts = kwargs.get("cu_seq_lens_q")
     if isinstance(starts, Tensor) and batch == 1 and int(starts[-1]) == length:
         index = torch.arange(length, device=starts.device)  # (L,)
-        return torch.searchsorted(starts[1:], index, right=True)[None]  # (1, L)
+        ids = torch.searchsorted(starts[1:], index, right=True)[None]  # (1, L)
+        return ids if bool(ids[:, -1].any()) else None
     return None
 
 
@@ -116,9 +144,7 @@ def attention_forward(
         if wants_causal and lq == lk > 1:
             # no mask: transformers saw no padding, and no packing when a cache is on (it then skips its
             # packed-sequence check); positions that restart still mean packed rows
-            segment_ids = _segments(kwargs, query.shape[0], lq)  # (B, L)
-            if segment_ids is not None and not bool(segment_ids[:, -1].any()):
-                segment_ids = None  # one sequence per row: nothing to separate
+            segment_ids = _segments(kwargs, query.shape[0], lq)  # (B, L) | None: one sequence per row
     elif not isinstance(attention_mask, Tensor):
         mask = attention_mask  # packed sequences: transformers' index function (see mask_interface)
         segment_ids = _segments(kwargs, query.shape[0], lq) if lq == lk else None  # (B, L)

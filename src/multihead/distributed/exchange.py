@@ -235,6 +235,9 @@ def _all_to_all(
         view = flat[at : at + n].view(shape)
         if index is None:
             view.copy_(x)
+        elif dim == 1 and not x.is_contiguous():  # heads of a window's rows: index_select would first
+            for j, h in enumerate(index.tolist()):  # copy every head of them; one head at a time instead
+                view[:, j].copy_(x[:, h])
         else:
             torch.index_select(x, dim, index, out=view)
         at += n

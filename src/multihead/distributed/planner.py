@@ -48,6 +48,9 @@ PRESETS: dict[str, Machine] = {
     "h100-nvlink": Machine(compute=300e12, link=300e9, latency=10e-6),  # NVLink 4 (450 GB/s peak)
     "h800-nvlink": Machine(compute=300e12, link=150e9, latency=10e-6),  # NVLink at 400 GB/s both ways
     "h100-ib": Machine(compute=300e12, link=45e9, latency=20e-6),  # InfiniBand NDR 400 Gb/s per GPU
+    # A100: the H800 rate times the A100/H800 ratio of the same table's flash_attn baselines (94.7 / 154.7
+    # iter/s fwd+bwd), NVLink 3 at 2/3 of its 300 GB/s per direction (as h100-nvlink takes of NVLink 4)
+    "a100-nvlink": Machine(compute=185e12, link=200e9, latency=10e-6),
 }
 """Named :class:`Machine` presets (pass ``machine=`` for your own, e.g. the rates the benchmark
 measures with gloo on your CPU)."""

@@ -14,7 +14,10 @@
 3. **Time**: this machine's rates (attention FLOP/s of one process, gloo's bytes/s between two ranks)
    go into ``plan`` as a :class:`~multihead.distributed.Machine`; predicted and measured forward time at
    1, 2 and 4 ranks.
-4. **Map** (plot): which strategy ``plan`` predicts fastest up to 1M tokens and 1024 ranks on the H100
+4. **Published figures**: ring-flash-attention's and yunchang's (USP) published iter/s on 8 GPUs next to
+   ``plan``'s prediction with the matching preset and shape (:data:`PUBLISHED`; no measurement:
+   ``--published-only`` recomputes just this into the existing results).
+5. **Map** (plot): which strategy ``plan`` predicts fastest up to 1M tokens and 1024 ranks on the H100
    presets, for Llama-3-8B's attention (H = 32, Hkv = 8, D = 128, bf16).
 """
 

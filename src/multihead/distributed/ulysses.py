@@ -15,7 +15,12 @@ The heads go in *chunks* (:mod:`.exchange`): exchange a chunk of w query heads (
 read, once), attend, send the chunk's output home into the output buffer, next chunk. A rank so holds
 one chunk's heads of the whole sequence at a time, not all H_r of them, and sends the same bytes as one
 exchange of everything. ``head_chunks=None`` chooses the count from the size (chunks of about 1 MiB of
-queries; one chunk for short sequences, where fewer messages matter more).
+queries; one chunk for short sequences, where fewer messages matter more). A long sequence also moves
+in windows of positions (:func:`~.exchange.auto_windows`): the chunk's K/V arrive window by window, then
+each window of queries arrives, is attended against them and goes home before the next one. A window
+[a, b) runs as the ring's blocks on a group of one (:class:`_WindowPlan`: with ``causal`` the keys
+before it as a maskless rectangle and its diagonal as a triangle, merged by log-sum-exp); with mask or
+bias functions, dropout or a named backend, as :func:`multihead.attention_with` on the keys it sees.
 
 Heads are split as evenly as ``torch.tensor_split`` cuts them, so any P works: H % P != 0 gives some
 ranks one head more, H < P leaves ranks idle. A rank needs the key/value heads its query heads read;
@@ -126,8 +131,9 @@ def ulysses_attention(
         (B, H, Lq_r, Dv): this rank's rows of ``multihead.attention`` over the whole sequences.
         Differentiable in q, k, v (and sinks); backward runs on every rank too.
 
-    Memory per rank beyond its q, k, v and output: one chunk's query heads and output over the whole
-    sequence, the K/V slot they read, and the messages of one exchange.
+    Memory per rank beyond its q, k, v and output: the K/V slot a chunk reads, over the whole sequence,
+    and one window of the chunk's queries, output and messages (a short sequence is one window: then
+    the chunk's queries and output over the whole sequence).
     """
     options = AttentionOptions(
         mask=mask,

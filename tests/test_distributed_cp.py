@@ -31,6 +31,10 @@ def _case(name, **kw):
     return spec
 
 
+# every option Ulysses serves at once, in head chunks: padding, packing, softcap, sinks, per-row lengths
+_EVERY_OPTION = dict(h=6, hkv=3, chunks=3, causal=True, key_mask=True, segments=True, softcap=2.0, sinks=True)
+_EVERY_OPTION.update(valid="BL", lq=16)
+
 CASES = [
     _case("u-plain"),
     _case("u-causal-zigzag", causal=True, layout="zigzag", lq=16),
@@ -53,40 +57,14 @@ CASES = [
     _case("u-chunks-groups", h=6, hkv=3, chunks=2, causal=True, lq=13),
     _case("u-chunks-repeated", h=10, hkv=2, chunks=2, causal=True, layout="zigzag", lq=16),
     _case("u-chunks-idle", h=2, hkv=1, chunks=2, causal=True),
-    _case(
-        "u-chunks-options",
-        h=6,
-        hkv=3,
-        chunks=3,
-        causal=True,
-        key_mask=True,
-        segments=True,
-        softcap=2.0,
-        sinks=True,
-        bias_fn=True,
-        valid="BL",
-        lq=16,
-    ),
+    _case("u-chunks-options", **_EVERY_OPTION, bias_fn=True),
     # the sequence in windows (what long sequences get): Ulysses attends each window of queries with the
     # ring's blocks (a rectangle and the causal triangle) or, with mask/bias functions, multihead.attention
     # on the keys the window sees; the hybrid exchanges its queries and output in windows
     _case("u-windows-causal", h=8, hkv=2, causal=True, layout="zigzag", lq=24, windows=3),
     _case("u-windows-striped", hkv=4, causal=True, layout="striped", lq=16, windows=5, chunks=2),
     _case("u-windows-cross", lq=8, lk=12, causal=True, windows=3),
-    _case(
-        "u-windows-options",
-        h=6,
-        hkv=3,
-        chunks=3,
-        causal=True,
-        key_mask=True,
-        segments=True,
-        softcap=2.0,
-        sinks=True,
-        valid="BL",
-        lq=16,
-        windows=3,
-    ),
+    _case("u-windows-options", **_EVERY_OPTION, windows=3),
     _case("u-windows-fns", mask_fn=True, bias_fn=True, causal=True, layout="zigzag", lq=16, windows=4),
     _case("u-windows-plain", valid="B", lq=13, windows=2),
     _case("h-windows", strategy="hybrid", h=8, hkv=2, causal=True, layout="zigzag", lq=24, windows=3),

@@ -64,8 +64,19 @@ CASES = [
     _case("u-windows-causal", h=8, hkv=2, causal=True, layout="zigzag", lq=24, windows=3),
     _case("u-windows-striped", hkv=4, causal=True, layout="striped", lq=16, windows=5, chunks=2),
     _case("u-windows-cross", lq=8, lk=12, causal=True, windows=3),
-    _case("u-windows-options", **_EVERY_OPTION, windows=3),
-    _case("u-windows-fns", mask_fn=True, bias_fn=True, causal=True, layout="zigzag", lq=16, windows=4),
+    _case("u-windows-options", **(_EVERY_OPTION | {"softcap": None}), windows=3),
+    _case(
+        "u-windows-fns",
+        mask_fn=True,
+        bias_fn=True,
+        softcap=2.0,
+        causal=True,
+        layout="zigzag",
+        lq=16,
+        windows=4,
+    ),
+    _case("u-windows-float64", causal=True, layout="zigzag", dtype=torch.float64, lq=16, windows=2),
+    _case("u-windows-unsplit", h=4, hkv=1, dk=5, dv=7, causal=True, windows=3),  # no fused kernel: at once
     _case("u-windows-plain", valid="B", lq=13, windows=2),
     _case("h-windows", strategy="hybrid", h=8, hkv=2, causal=True, layout="zigzag", lq=24, windows=3),
     # hybrid: Ulysses groups of usize ranks (at 2 ranks: one group, no ring), the ring across them

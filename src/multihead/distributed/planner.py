@@ -17,8 +17,10 @@ rate per rank (bytes/s) with a per-message latency -- or from a preset (:data:`P
 * hybrid: Ulysses inside groups of U ranks, then a ring of R over the groups' token sets.
 
 Memory is the forward peak per rank in elements of the working dtype: this rank's q, k, v and
-output plus the strategy's buffers (ring: K/V messages in flight; Ulysses: the exchange buffers and
-the whole-sequence head shards).
+output plus the strategy's buffers (ring: K/V messages in flight; Ulysses: the K/V head of the whole
+sequence a chunk reads and one window's queries, output and messages -- or, where a causal chunk is
+attended whole, its queries and output of the whole sequence: half precision, as on GPUs, where
+``dtype_bytes`` < 4; float32/float64 windows run one at a time on the CPU's fused kernel).
 """
 
 from __future__ import annotations
@@ -84,11 +86,21 @@ def _ring(
 
 
 def _ulysses(
-    *, batch: int, tokens: int, heads: int, kv_heads: int, dim: int, ranks: int, b: int, counts: list[int]
+    *,
+    batch: int,
+    tokens: int,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    ranks: int,
+    b: int,
+    counts: list[int],
+    split: bool = True,
 ) -> tuple[int, int, int, float, list[Chunk], int]:
     """Ulysses over ``ranks`` of ``tokens`` each, each rank's heads in ``counts[s]`` chunks: (extra peak
     bytes, sent fwd, sent bwd, largest share of the heads, that rank's chunks, all-to-alls forward),
-    rank 0's (the largest share: tensor_split gives the first ranks the extra heads)."""
+    rank 0's (the largest share: tensor_split gives the first ranks the extra heads). ``split``: the
+    windows are attended one at a time (else a chunk's queries are held whole)."""
     shares = head_split(heads, kv_heads, ranks)
     unit = batch * tokens * dim * b  # one head of one rank's tokens
     mine = shares[0]
@@ -111,7 +123,7 @@ def _ulysses(
     # arriving; the slot, q and the output; the slot, the output's message and what comes back. W
     # windows: the slot (K and V whole) and one window's messages (the rank whose tokens a window holds
     # sends them to all P ranks): K/V (P + 1) s / W, q and output (P + 3) w / W.
-    if w == 1:
+    if w == 1 or not split:
         most = max((max(3 * len(c.kv), 2 * len(c.kv) + 2 * len(c.q)) for c in chunks), default=0)
         extra = most * whole
     else:
@@ -200,6 +212,7 @@ def plan(
         ranks=world,
         b=b,
         counts=[count] * world,
+        split=not causal or dtype_bytes >= 4,  # causal windows one at a time: the CPU's fused kernel
     )
     heavy = share * world  # the rank with the most heads sets the pace
     msgs = calls * (world - 1) * rates.latency  # every all-to-all: a message to each other rank

@@ -220,8 +220,15 @@ def ulysses_with_plan(
     w_most = max(len(c.q) for cs in rank_chunks(shares, [count] * plan.world) for c in cs)
     windows = auto_windows(plan.batch, lq_all, w_most, max(plan.dk, plan.dv), plan.world)
     mask, bias, sinks = options.mask, options.bias, options.sinks
-    # the ring's blocks serve a window without a (rows, keys) mask; they take no functions or dropout
-    blocks = windows > 1 and mask is None and bias is None and options.dropout == 0 and backend == "auto"
+    causal = plan.causal_offset is not None
+    # attend window by window where a window runs without a (rows, keys) mask: full attention on any
+    # device; causal on the CPU's fused kernel in the working dtype, as two ring blocks. Elsewhere the
+    # chunk is attended at once (windows still cut its messages). Only what every rank agreed on decides
+    # it: the order of the exchanges follows from it.
+    fused = plan.kernel == "flash" and plan.compute_dtype == q.dtype
+    split = windows > 1 and (not causal or fused)
+    blocks = split and causal and options.softcap is None and options.dropout == 0 and backend == "auto"
+    blocks = blocks and mask is None and bias is None  # the blocks take no functions
 
     def attend(x: Attend) -> Tensor:
         w, (a, z) = x.q.shape[1], (x.rows.start, x.rows.stop)
@@ -235,7 +242,7 @@ def ulysses_with_plan(
             local = _window_plan(plan, x, lk_all, vl, ids, keep is not None, options.softcap)
             return ring_with_plan(x.q, x.k, x.v, keep, local, mine)  # (B, w, z - a, Dv)
         m = lk_all  # the keys some query of the window may see: bottom-right causal stops at z + L_k - L_q
-        if options.causal and (a, z) != (0, lq_all):
+        if causal and (a, z) != (0, lq_all):
             m = min(lk_all, z + lk_all - lq_all)
         if m <= 0:  # no query of the window sees a key: output 0, as in one process
             return x.q.new_zeros(*x.q.shape[:3], x.v.shape[-1])
@@ -255,7 +262,7 @@ def ulysses_with_plan(
         return out
 
     return attend_in_chunks(
-        q, k, v, shares, (qp, kp), group, [count] * plan.world, attend, windows=windows
+        q, k, v, shares, (qp, kp), group, [count] * plan.world, attend, windows=windows, split=split
     )  # (B, H, Lq_r, Dv)
 
 

@@ -8,12 +8,16 @@
 2. **Memory**: peak resident memory per rank of a causal forward at L = 16k over 4 ranks (this rank's
    q, k, v and what the call allocates), against one process's ``multihead.attention`` on the whole
    sequence (target: <= 0.35x for ring and Ulysses), and against ``plan``'s memory; for H = 8, Hkv = 2
-   and for Llama-3-8B's head counts H = 32, Hkv = 8 (Ulysses holds one chunk of heads of the whole
-   sequence, so its floor is 1/P plus about one head in H of the whole tensors).
+   and for Llama-3-8B's head counts H = 32, Hkv = 8 (Ulysses holds the K/V head its chunk reads over the
+   whole sequence and one window of queries and output, so its floor is 1/P of one process's q, k, v and
+   output plus one K/V head of the whole sequence).
 3. **Time**: this machine's rates (attention FLOP/s of one process, gloo's bytes/s between two ranks)
    go into ``plan`` as a :class:`~multihead.distributed.Machine`; predicted and measured forward time at
    1, 2 and 4 ranks.
-4. **Map** (plot): which strategy ``plan`` predicts fastest up to 1M tokens and 1024 ranks on the H100
+4. **Published figures**: ring-flash-attention's and yunchang's (USP) published iter/s on 8 GPUs next to
+   ``plan``'s prediction with the matching preset and shape (:data:`PUBLISHED`; no measurement:
+   ``--published-only`` recomputes just this into the existing results).
+5. **Map** (plot): which strategy ``plan`` predicts fastest up to 1M tokens and 1024 ranks on the H100
    presets, for Llama-3-8B's attention (H = 32, Hkv = 8, D = 128, bf16).
 """
 
@@ -222,7 +226,62 @@ def compute_rate(total: int, shape: dict, rounds: int) -> float:
 
 
 # ------------------------------------------------------------------------------------------------
-# 4. the map
+# 4. published figures
+# ------------------------------------------------------------------------------------------------
+
+RFA = "zhuzilin/ring-flash-attention README, batch api table (benchmark/benchmark_kvpacked_func.py)"
+YC_TABLE = "feifeibear/long-context-attention README at 8aaf163 (2024-04-01), head num=8 table"
+YC_IMAGE = (
+    "feifeibear/long-context-attention media/benchmark_results.png (b93c30e, 2024-04-18), zigzag qkvpack"
+)
+LLAMA = {"heads": 32, "kv_heads": 8, "head_dim": 128, "batch": 1}  # ring-flash-attention's Llama-3-8B shape
+MHA8 = {"heads": 8, "kv_heads": 8, "head_dim": 128, "batch": 2}  # yunchang's QKV-packed benchmark shape
+
+# (source, GPUs, preset, L total, shape, U (1 ring, 8 Ulysses, else hybrid), forward only, published iter/s);
+# every run: 8 GPUs, bf16, causal, one attention call per iteration
+PUBLISHED = [
+    (RFA, "8xH800", "h800-nvlink", 65536, LLAMA, 1, True, 63.0),
+    (RFA, "8xH800", "h800-nvlink", 65536, LLAMA, 1, False, 17.4),
+    (RFA, "8xA100", "a100-nvlink", 65536, LLAMA, 1, True, 38.2),
+    (RFA, "8xA100", "a100-nvlink", 65536, LLAMA, 1, False, 10.6),
+    *(
+        (YC_TABLE, "8xA100", "a100-nvlink", 65536, MHA8, u, False, it)
+        for u, it in ((1, 8.211), (2, 11.024), (4, 12.864), (8, 10.679))
+    ),
+    *(
+        (YC_IMAGE, "8xA100", "a100-nvlink", 131072, MHA8, u, True, it)
+        for u, it in ((1, 18.211), (2, 21.383), (4, 21.916), (8, 20.992))
+    ),
+]
+
+
+def published() -> list[dict]:
+    """Each published figure next to ``plan``'s prediction with the matching preset and shape."""
+    rows = []
+    for source, gpus, preset, length, shape, u, fwd_only, it in PUBLISHED:
+        est = mhd.plan(length, **shape, world=8, machine=preset, ulysses_size=u if 1 < u < 8 else None)
+        strategy = "ring" if u == 1 else "ulysses" if u == 8 else "hybrid"
+        e = est[strategy]
+        planned = 1 / (e.seconds_forward if fwd_only else e.seconds)
+        rows.append(
+            {
+                "source": source,
+                "gpus": gpus,
+                "preset": preset,
+                "case": f"{strategy} (U={u})" if strategy == "hybrid" else strategy,
+                "shape": f"L={length // 1024}k, B={shape['batch']}, H={shape['heads']}, Hkv={shape['kv_heads']}, "
+                f"D={shape['head_dim']}",
+                "pass": "fwd" if fwd_only else "fwd+bwd",
+                "published_iter_s": it,
+                "planned_iter_s": planned,
+                "ratio": planned / it,
+            }
+        )
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# 5. the map
 # ------------------------------------------------------------------------------------------------
 
 
@@ -294,7 +353,18 @@ def main() -> None:
     parser.add_argument("--bytes-len", type=int, default=2048)
     parser.add_argument("--time-len", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--published-only",
+        action="store_true",
+        help="recompute only the published comparison (no measurement) into the existing results",
+    )
     args = parser.parse_args()
+    if args.published_only:
+        res = json.loads((RESULTS / "plan_cpu.json").read_text())
+        res["published"] = published()
+        (RESULTS / "plan_cpu.json").write_text(json.dumps(res, indent=1))
+        (RESULTS / "plan_cpu.md").write_text(_markdown(res))
+        return
     env = _environment({"backend": "gloo"}) | {"cpu_model": _cpu_model(), "uptime": os.getloadavg()}
     res: dict = {"environment": env, "shape": SHAPE}
 
@@ -343,14 +413,7 @@ def main() -> None:
             res["time"][f"{strategy} P={world}"] = {"measured": measured, "planned": est.seconds_forward}
 
     # 4. published figures and the map
-    pub = mhd.plan(65536, heads=32, kv_heads=8, head_dim=128, world=8, machine="h800-nvlink")["ring"]
-    res["published"] = {
-        "source": "zhuzilin/ring-flash-attention README, batch api, 8xH800, 8k tokens per GPU, Llama-3.1-8B attention",
-        "zigzag_ring_fwd_iter_s": 63.0,
-        "zigzag_ring_fwd_bwd_iter_s": 17.4,
-        "planned_fwd_iter_s": 1 / pub.seconds_forward,
-        "planned_fwd_bwd_iter_s": 1 / pub.seconds,
-    }
+    res["published"] = published()
     res["map"] = _plot(RESULTS / "plan_cpu.png")
     res["environment"]["load_average_at_end"] = os.getloadavg()
     (RESULTS / "plan_cpu.json").write_text(json.dumps(res, indent=1))
@@ -409,15 +472,19 @@ def _markdown(res: dict) -> str:
         "|---|---|",
     ]
     lines += [f"| {n} | {r:.3f} |" for n, r in res["overhead_1_rank"].items()]
-    p = res["published"]
     lines += [
         "",
-        "## Published: ring-flash-attention, zigzag ring, 8xH800",
+        "## Published figures (8 GPUs, bf16, causal) and plan's prediction with the matching preset",
         "",
-        "| | published iter/s | planned iter/s (h800-nvlink preset) |",
-        "|---|---|---|",
-        f"| forward | {p['zigzag_ring_fwd_iter_s']} | {p['planned_fwd_iter_s']:.1f} |",
-        f"| forward + backward | {p['zigzag_ring_fwd_bwd_iter_s']} | {p['planned_fwd_bwd_iter_s']:.1f} |",
+        "| source | GPUs | shape | strategy | pass | published iter/s | planned iter/s (preset) | planned / published |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {p['source']} | {p['gpus']} | {p['shape']} | {p['case']} | {p['pass']} | {p['published_iter_s']} | "
+        f"{p['planned_iter_s']:.1f} ({p['preset']}) | {p['ratio']:.2f} |"
+        for p in res["published"]
+    ]
+    lines += [
         "",
         "![map](plan_cpu.png)",
         "",

@@ -7,6 +7,8 @@ the tests assert on them (the 2x rule of multihead.testing).
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -24,9 +26,14 @@ def _case(name, **kw):
     spec.update(layout="contiguous", valid=None, key_mask=False, segments=False, sinks=False, softcap=None)
     spec.update(mask_fn=False, bias_fn=False, dtype=torch.float32, pieces=None, seed=sum(map(ord, name)))
     spec.update(chunks=None, usize=2)  # head_chunks; hybrid: ulysses_size (at most the world size)
+    spec.update(windows=None)  # Ulysses/hybrid: exchange (and attend) the sequence in this many windows
     spec.update(kw, name=name)
     return spec
 
+
+# every option Ulysses serves at once, in head chunks: padding, packing, softcap, sinks, per-row lengths
+_EVERY_OPTION = dict(h=6, hkv=3, chunks=3, causal=True, key_mask=True, segments=True, softcap=2.0, sinks=True)
+_EVERY_OPTION.update(valid="BL", lq=16)
 
 CASES = [
     _case("u-plain"),
@@ -50,20 +57,28 @@ CASES = [
     _case("u-chunks-groups", h=6, hkv=3, chunks=2, causal=True, lq=13),
     _case("u-chunks-repeated", h=10, hkv=2, chunks=2, causal=True, layout="zigzag", lq=16),
     _case("u-chunks-idle", h=2, hkv=1, chunks=2, causal=True),
+    _case("u-chunks-options", **_EVERY_OPTION, bias_fn=True),
+    # the sequence in windows (what long sequences get): Ulysses attends each window of queries with the
+    # ring's blocks (a rectangle and the causal triangle) or, with mask/bias functions, multihead.attention
+    # on the keys the window sees; the hybrid exchanges its queries and output in windows
+    _case("u-windows-causal", h=8, hkv=2, causal=True, layout="zigzag", lq=24, windows=3),
+    _case("u-windows-striped", hkv=4, causal=True, layout="striped", lq=16, windows=5, chunks=2),
+    _case("u-windows-cross", lq=8, lk=12, causal=True, windows=3),
+    _case("u-windows-options", **(_EVERY_OPTION | {"softcap": None}), windows=3),
     _case(
-        "u-chunks-options",
-        h=6,
-        hkv=3,
-        chunks=3,
-        causal=True,
-        key_mask=True,
-        segments=True,
-        softcap=2.0,
-        sinks=True,
+        "u-windows-fns",
+        mask_fn=True,
         bias_fn=True,
-        valid="BL",
+        softcap=2.0,
+        causal=True,
+        layout="zigzag",
         lq=16,
+        windows=4,
     ),
+    _case("u-windows-float64", causal=True, layout="zigzag", dtype=torch.float64, lq=16, windows=2),
+    _case("u-windows-unsplit", h=4, hkv=1, dk=5, dv=7, causal=True, windows=3),  # no fused kernel: at once
+    _case("u-windows-plain", valid="B", lq=13, windows=2),
+    _case("h-windows", strategy="hybrid", h=8, hkv=2, causal=True, layout="zigzag", lq=24, windows=3),
     # hybrid: Ulysses groups of usize ranks (at 2 ranks: one group, no ring), the ring across them
     _case("h-plain", strategy="hybrid", h=4, hkv=2, causal=True, layout="zigzag", lq=16),
     _case("h-chunks-parts", strategy="hybrid", h=8, hkv=2, chunks=4, causal=True, layout="zigzag", lq=16),
@@ -203,11 +218,24 @@ def _skipped_steps(rank, world):
     return len(calls)
 
 
+def _windowed(c, run):
+    """``run()`` with a case's ``windows``: every exchange in that many windows per rank (as for a long
+    sequence)."""
+    if c["windows"] is None:
+        return run()
+    saved = exchange.WINDOW_ELEMENTS, exchange.WINDOWS
+    exchange.WINDOW_ELEMENTS, exchange.WINDOWS = 0, c["windows"]
+    try:
+        return run()
+    finally:
+        exchange.WINDOW_ELEMENTS, exchange.WINDOWS = saved
+
+
 def _job(cases):
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     return {
-        "cases": {c["name"]: _cp_case(c, rank, world) for c in cases},
+        "cases": {c["name"]: _windowed(c, lambda c=c: _cp_case(c, rank, world)) for c in cases},
         "skipped": _skipped_steps(rank, world),
     }
 
@@ -227,6 +255,7 @@ def _failures(per_rank, cases):
             # the ring merges one partial result per rank and K/V piece); or no farther from it than one
             # process's multihead.attention (Ulysses runs that very kernel on whole sequences)
             parts = world * (c["pieces"] or 1) if c["strategy"] in ("ring", "hybrid") else 1
+            parts = 2 if c["windows"] and c["strategy"] == "ulysses" else parts  # rectangle + triangle
             bound = allowed_error(ref, dtype, factor=2.0, floor=merge_floor(dtype, mag, parts))
             bound = max(bound, max(r[f"{key}_one64"] for r in res))
             if fast > bound:
@@ -321,13 +350,18 @@ def _bytes_job():
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(1, h, 16, 8, generator=g) for h in (6, 2, 2))
     res = {}
-    for chunks in (1, 2, 6):
+    for chunks, windows in ((1, None), (2, None), (6, None), (1, 3)):
         leaves = [mhd.shard(t, 2, rank, world, "zigzag").requires_grad_() for t in (q, k, v)]
         with _Bytes() as fwd:
-            out = mhd.ulysses_attention(*leaves, causal=True, layout="zigzag", head_chunks=chunks)
+            out = _windowed(
+                {"windows": windows},
+                functools.partial(
+                    mhd.ulysses_attention, *leaves, causal=True, layout="zigzag", head_chunks=chunks
+                ),
+            )
         with _Bytes() as bwd:
             out.sum().backward()
-        res[chunks] = (fwd.sent, bwd.sent, fwd.calls, bwd.calls)
+        res[chunks if windows is None else "windows"] = (fwd.sent, bwd.sent, fwd.calls, bwd.calls)
     if world == 1:  # one rank: plain attention, bit for bit, and no exchange at all
         with _Bytes() as none:
             got = mhd.ulysses_attention(q, k, v, causal=True, layout="zigzag")
@@ -345,10 +379,11 @@ def _bytes_job():
 @pytest.mark.parametrize("world", [1, 2])
 def test_chunks_change_the_messages_not_the_bytes(world):
     res = mhd.launch(_bytes_job, world, timeout=120, start_method="fork")[0]
-    one, two, six = res[1], res[2], res[6]
-    assert one[:2] == two[:2] == six[:2]  # bytes forward and backward
+    one, two, six, windows = res[1], res[2], res[6], res["windows"]
+    assert one[:2] == two[:2] == six[:2] == windows[:2]  # bytes forward and backward
     if world > 1:
         assert one[2] < two[2] < six[2]  # more, smaller exchanges
+        assert windows[2:] == (3 * world * one[2], 3 * world * one[3])  # an all-to-all per window (3 a rank)
         assert one[0] > 0
     else:
         assert res["alone"] == (True, True, 0)

@@ -39,8 +39,10 @@ from .exchange import (
     HeadShare,
     attend_in_chunks,
     auto_head_chunks,
+    auto_windows,
     gather_tokens,
     head_split,
+    rank_chunks,
 )
 from .ring import auto_pieces, ring_with_plan
 from .ulysses import alone, attend_alone, keys_kept, ulysses_with_plan
@@ -209,6 +211,9 @@ def hybrid_attention(
         mine = None if sinks is None else sinks[x.first : x.first + x.q.shape[1]]  # the chunk's heads
         return ring_with_plan(x.q, x.k, x.v, keep, ring, mine)  # (B, w, N_g, Dv)
 
+    n_g = sum(map(len, rel_q))
+    w_most = max(len(c.q) for cs in rank_chunks(shares, counts) for c in cs)
+    windows = auto_windows(plan.batch, n_g, w_most, max(plan.dk, plan.dv), u)  # messages, not attention
     return attend_in_chunks(
-        q, k, v, shares, (rel_q, rel_k), groups.ulysses, counts, attend
+        q, k, v, shares, (rel_q, rel_k), groups.ulysses, counts, attend, windows=windows, split=False
     )  # (B, H, Lq_r, Dv)

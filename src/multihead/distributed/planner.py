@@ -17,8 +17,10 @@ rate per rank (bytes/s) with a per-message latency -- or from a preset (:data:`P
 * hybrid: Ulysses inside groups of U ranks, then a ring of R over the groups' token sets.
 
 Memory is the forward peak per rank in elements of the working dtype: this rank's q, k, v and
-output plus the strategy's buffers (ring: K/V messages in flight; Ulysses: the exchange buffers and
-the whole-sequence head shards).
+output plus the strategy's buffers (ring: K/V messages in flight; Ulysses: the K/V head of the whole
+sequence a chunk reads and one window's queries, output and messages -- or, where a causal chunk is
+attended whole, its queries and output of the whole sequence: half precision, as on GPUs, where
+``dtype_bytes`` < 4; float32/float64 windows run one at a time on the CPU's fused kernel).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .exchange import Chunk, auto_head_chunks, chunk_heads, head_split
+from .exchange import Chunk, auto_head_chunks, auto_windows, head_split, rank_chunks
 from .hybrid import choose_ulysses_size, hybrid_head_chunks
 from .ring import PIECE_KEYS
 
@@ -48,6 +50,9 @@ PRESETS: dict[str, Machine] = {
     "h100-nvlink": Machine(compute=300e12, link=300e9, latency=10e-6),  # NVLink 4 (450 GB/s peak)
     "h800-nvlink": Machine(compute=300e12, link=150e9, latency=10e-6),  # NVLink at 400 GB/s both ways
     "h100-ib": Machine(compute=300e12, link=45e9, latency=20e-6),  # InfiniBand NDR 400 Gb/s per GPU
+    # A100: the H800 rate times the A100/H800 ratio of the same table's flash_attn baselines (94.7 / 154.7
+    # iter/s fwd+bwd), NVLink 3 at 2/3 of its 300 GB/s per direction (as h100-nvlink takes of NVLink 4)
+    "a100-nvlink": Machine(compute=185e12, link=200e9, latency=10e-6),
 }
 """Named :class:`Machine` presets (pass ``machine=`` for your own, e.g. the rates the benchmark
 measures with gloo on your CPU)."""
@@ -81,30 +86,54 @@ def _ring(
 
 
 def _ulysses(
-    *, batch: int, tokens: int, heads: int, kv_heads: int, dim: int, ranks: int, b: int, counts: list[int]
-) -> tuple[int, int, int, float, list[Chunk]]:
+    *,
+    batch: int,
+    tokens: int,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    ranks: int,
+    b: int,
+    counts: list[int],
+    split: bool = True,
+) -> tuple[int, int, int, float, list[Chunk], int]:
     """Ulysses over ``ranks`` of ``tokens`` each, each rank's heads in ``counts[s]`` chunks: (extra peak
-    bytes, sent fwd, sent bwd, largest share of the heads, that rank's chunks), rank 0's (the largest
-    share: tensor_split gives the first ranks the extra heads)."""
+    bytes, sent fwd, sent bwd, largest share of the heads, that rank's chunks, all-to-alls forward),
+    rank 0's (the largest share: tensor_split gives the first ranks the extra heads). ``split``: the
+    windows are attended one at a time (else a chunk's queries are held whole)."""
     shares = head_split(heads, kv_heads, ranks)
     unit = batch * tokens * dim * b  # one head of one rank's tokens
     mine = shares[0]
     # q/k/v to the other ranks' heads, and the output of my heads for the other ranks' tokens (chunks
-    # change when things move, not how much: each K/V slot is sent once)
+    # and windows change when things move, not how much: each K/V slot is sent once)
     qkv_out = sum((s.heads + 2 * len(s.kv)) * unit for s in shares[1:])
     out_back = mine.heads * (ranks - 1) * unit
     fwd = qkv_out + out_back
     # backward: the output's gradient to the head owners, then dq, dk, dv back to the token owners
     bwd = sum(s.heads * unit for s in shares[1:]) + (mine.heads + 2 * len(mine.kv)) * (ranks - 1) * unit
-    chunks = chunk_heads(mine, counts[0])
+    per_rank = rank_chunks(shares, counts)
+    chunks = [cs[0] for cs in per_rank if cs[0].q]
+    w_most = max(len(c.q) for cs in per_rank for c in cs)
+    w = auto_windows(batch, tokens * ranks, w_most, dim, ranks)
+    # all-to-alls: per exchange of chunks, K and V (when a slot travels) and q and the output, per window
+    calls = sum((2 if any(c.new_kv for c in cs) else 0) + 2 for cs in per_rank) * w
     whole = ranks * unit  # one head of every token
-    # per chunk of w heads reading s slots, the most alive at once: K, then V arriving (K whole, V's
-    # message and its receive buffer); the slot and q arriving (message, receive buffer); the slot, q
-    # and the output; the slot, the output's message and what comes back
-    extra = max(max(3 * len(c.kv), 2 * len(c.kv) + 2 * len(c.q)) for c in chunks) * whole if chunks else 0
+    # the most alive at once, beyond this rank's q, k, v and output, per chunk of w heads reading s slots.
+    # One window: K, then V arriving (K whole, V's message and its receive buffer); the slot and q
+    # arriving; the slot, q and the output; the slot, the output's message and what comes back. W
+    # windows: the slot (K and V whole) and one window's messages (the rank whose tokens a window holds
+    # sends them to all P ranks): K/V (P + 1) s / W, q and output (P + 3) w / W.
+    if w == 1 or not split:
+        most = max((max(3 * len(c.kv), 2 * len(c.kv) + 2 * len(c.q)) for c in chunks), default=0)
+        extra = most * whole
+    else:
+        extra = max(
+            (2 * len(c.kv) * whole + max(len(c.kv), len(c.q)) * (ranks + 3) * whole // w for c in chunks),
+            default=0,
+        )
     if ranks == 1:  # one rank: plain attention, no exchange
-        extra = 0
-    return extra, fwd, bwd, mine.heads / heads, chunks
+        extra, calls = 0, 0
+    return extra, fwd, bwd, mine.heads / heads, chunks, calls
 
 
 def plan(
@@ -174,11 +203,19 @@ def plan(
     shares = head_split(heads, hkv, world)
     most = max(x.heads for x in shares)
     count = head_chunks or auto_head_chunks(batch, seq_len, most, head_dim)
-    extra, sf, sb, share, _ = _ulysses(
-        batch=batch, tokens=n, heads=heads, kv_heads=hkv, dim=head_dim, ranks=world, b=b, counts=[count]
+    extra, sf, sb, share, _, calls = _ulysses(
+        batch=batch,
+        tokens=n,
+        heads=heads,
+        kv_heads=hkv,
+        dim=head_dim,
+        ranks=world,
+        b=b,
+        counts=[count] * world,
+        split=not causal or dtype_bytes >= 4,  # causal windows one at a time: the CPU's fused kernel
     )
     heavy = share * world  # the rank with the most heads sets the pace
-    msgs = 2 * (world - 1) * rates.latency
+    msgs = calls * (world - 1) * rates.latency  # every all-to-all: a message to each other rank
     tf = compute_fwd * heavy + sf / rates.link + msgs
     tb = compute_bwd * heavy + sb / rates.link + msgs
     out["ulysses"] = Estimate("ulysses", world, own + extra, sf, sb, tf, tb)
@@ -187,13 +224,13 @@ def plan(
     r = world // u
     shares = head_split(heads, hkv, u)
     counts = [head_chunks] * u if head_chunks else hybrid_head_chunks(shares, batch, n * u, head_dim)
-    extra_u, uf, ub, share, chunks = _ulysses(
+    extra_u, uf, ub, share, chunks, calls = _ulysses(
         batch=batch, tokens=n, heads=heads, kv_heads=hkv, dim=head_dim, ranks=u, b=b, counts=counts
     )
     # the ring of each chunk over the R groups' N_g = n * u tokens: its slots go around once per chunk
     whole_g = batch * n * u * head_dim * b  # one head of a group's tokens
     rf = rb = 0
-    during = []  # per chunk: its slot and q, the ring's running output, a block's output, the messages
+    during = []  # per chunk: its slot, q and the ring's running output, the ring's buffers
     for c in chunks:
         e, f, bw = _ring(
             batch=batch,
@@ -206,11 +243,11 @@ def plan(
             pieces=pieces,
         )
         rf, rb = rf + f, rb + bw
-        during.append((2 * len(c.kv) + 3 * len(c.q)) * whole_g + e)
+        during.append((2 * len(c.kv) + 2 * len(c.q)) * whole_g + e)
     kv_group = 2 * batch * len(shares[0].kv) * n * u * head_dim * b
     heavy = share * u
     rtf, rtb = ring_time(kv_group, r, compute_fwd * heavy, compute_bwd * heavy)
-    msgs = 2 * (u - 1) * rates.latency
+    msgs = calls * (u - 1) * rates.latency
     if u == 1:  # groups of one: the plain ring (no exchange, no chunks)
         extra_h, rf, rb = _ring(
             batch=batch, tokens=n, heads=heads, kv_heads=hkv, dim=head_dim, ranks=r, b=b, pieces=pieces

@@ -15,7 +15,12 @@ The heads go in *chunks* (:mod:`.exchange`): exchange a chunk of w query heads (
 read, once), attend, send the chunk's output home into the output buffer, next chunk. A rank so holds
 one chunk's heads of the whole sequence at a time, not all H_r of them, and sends the same bytes as one
 exchange of everything. ``head_chunks=None`` chooses the count from the size (chunks of about 1 MiB of
-queries; one chunk for short sequences, where fewer messages matter more).
+queries; one chunk for short sequences, where fewer messages matter more). A long sequence also moves
+in windows of positions (:func:`~.exchange.auto_windows`): the chunk's K/V arrive window by window, then
+each window of queries arrives, is attended against them and goes home before the next one. A window
+[a, b) runs as the ring's blocks on a group of one (:class:`_WindowPlan`: with ``causal`` the keys
+before it as a maskless rectangle and its diagonal as a triangle, merged by log-sum-exp); with mask or
+bias functions, dropout or a named backend, as :func:`multihead.attention_with` on the keys it sees.
 
 Heads are split as evenly as ``torch.tensor_split`` cuts them, so any P works: H % P != 0 gives some
 ranks one head more, H < P leaves ranks idle. A rank needs the key/value heads its query heads read;
@@ -28,6 +33,7 @@ docs/distributed.md. On a group of one rank it is :func:`multihead.attention_wit
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -38,16 +44,20 @@ from torch import Tensor
 
 from ..core.attention import attention_with
 from ..core.options import AttentionOptions
-from .agree import Plan, check_head_chunks, make_plan
+from .agree import Plan, Shard, check_head_chunks, make_plan
+from .blocks import Block, make_block, shares_ids
 from .exchange import (
     Attend,
     HeadShare,
     attend_in_chunks,
     auto_head_chunks,
+    auto_windows,
     gather_tokens,
     head_split,
+    rank_chunks,
 )
-from .sharding import check_layout
+from .ring import ring_with_plan
+from .sharding import Region, check_layout, split_region, visible_region
 
 __all__ = [
     "HeadShare",
@@ -64,13 +74,15 @@ __all__ = [
 
 @dataclass(frozen=True)
 class _OnHeads:
-    """A mask or bias function of global heads, called with this rank's local head index."""
+    """A mask or bias function of global heads and positions, called with a window's local head and
+    query indices (heads from ``first``, queries from position ``start``)."""
 
     fn: Callable[..., Tensor]
     first: int
+    start: int = 0
 
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return self.fn(b, h + self.first, q_idx, kv_idx)
+        return self.fn(b, h + self.first, q_idx + self.start, kv_idx)
 
 
 def ulysses_attention(
@@ -119,8 +131,9 @@ def ulysses_attention(
         (B, H, Lq_r, Dv): this rank's rows of ``multihead.attention`` over the whole sequences.
         Differentiable in q, k, v (and sinks); backward runs on every rank too.
 
-    Memory per rank beyond its q, k, v and output: one chunk's query heads and output over the whole
-    sequence, the K/V slot they read, and the messages of one exchange.
+    Memory per rank beyond its q, k, v and output: the K/V slot a chunk reads, over the whole sequence,
+    and one window of the chunk's queries, output and messages (a short sequence is one window: then
+    the chunk's queries and output over the whole sequence).
     """
     options = AttentionOptions(
         mask=mask,
@@ -202,25 +215,121 @@ def ulysses_with_plan(
     if plan.has_key_mask:  # some rank has padding (a rank without key_mask has real keys only)
         keep = gather_tokens(keys_kept(key_mask, k), kp, group)  # (B, L_k)
     most = max(s.heads for s in shares)
-    count = head_chunks or auto_head_chunks(plan.batch, sum(map(len, qp)), most, max(plan.dk, plan.dv))
+    lq_all, lk_all = sum(map(len, qp)), sum(map(len, kp))
+    count = head_chunks or auto_head_chunks(plan.batch, lq_all, most, max(plan.dk, plan.dv))
+    w_most = max(len(c.q) for cs in rank_chunks(shares, [count] * plan.world) for c in cs)
+    windows = auto_windows(plan.batch, lq_all, w_most, max(plan.dk, plan.dv), plan.world)
     mask, bias, sinks = options.mask, options.bias, options.sinks
+    causal = plan.causal_offset is not None
+    # attend window by window where a window runs without a (rows, keys) mask: full attention on any
+    # device; causal on the CPU's fused kernel in the working dtype, as two ring blocks. Elsewhere the
+    # chunk is attended at once (windows still cut its messages). Only what every rank agreed on decides
+    # it: the order of the exchanges follows from it.
+    fused = plan.kernel == "flash" and plan.compute_dtype == q.dtype
+    split = windows > 1 and (not causal or fused)
+    blocks = split and causal and options.softcap is None and options.dropout == 0 and backend == "auto"
+    blocks = blocks and mask is None and bias is None  # the blocks take no functions
 
     def attend(x: Attend) -> Tensor:
-        w = x.q.shape[1]
+        w, (a, z) = x.q.shape[1], (x.rows.start, x.rows.stop)
+        mine = None if sinks is None else sinks[x.first : x.first + w]
+        vl = options.valid_lens
+        if vl is not None and vl.dim() == 2:
+            vl = vl[:, a:z]  # (B, z - a): the window's rows
+        ids = options.segment_ids
+        if blocks:
+            assert ids is None or isinstance(ids, tuple)
+            local = _window_plan(plan, x, lk_all, vl, ids, keep is not None, options.softcap)
+            return ring_with_plan(x.q, x.k, x.v, keep, local, mine)  # (B, w, z - a, Dv)
+        m = lk_all  # the keys some query of the window may see: bottom-right causal stops at z + L_k - L_q
+        if causal and (a, z) != (0, lq_all):
+            m = min(lk_all, z + lk_all - lq_all)
+        if m <= 0:  # no query of the window sees a key: output 0, as in one process
+            return x.q.new_zeros(*x.q.shape[:3], x.v.shape[-1])
+        if isinstance(ids, tuple):
+            ids = (ids[0][:, a:z], ids[1][:, :m])  # (B, z - a), (B, m)
         local = options.replace(
-            mask=None if mask is None else _OnHeads(mask, x.first),
-            bias=None if bias is None else _OnHeads(bias, x.first),
-            sinks=None if sinks is None else sinks[x.first : x.first + w],
+            mask=None if mask is None else _OnHeads(mask, x.first, a),
+            bias=None if bias is None else _OnHeads(bias, x.first, a),
+            sinks=mine,
+            valid_lens=vl,
+            segment_ids=ids,
         )
         if keep is not None:
-            local = local.replace(mask=and_keys(local.mask, keep))
-        out = attention_with(x.q, x.k, x.v, local, backend)  # (B, w, L_q, Dv)
+            local = local.replace(mask=and_keys(local.mask, keep[:, :m]))
+        out = attention_with(x.q, x.k[:, :, :m], x.v[:, :, :m], local, backend)  # (B, w, z - a, Dv)
         assert isinstance(out, Tensor)
         return out
 
     return attend_in_chunks(
-        q, k, v, shares, (qp, kp), group, [count] * plan.world, attend
+        q, k, v, shares, (qp, kp), group, [count] * plan.world, attend, windows=windows, split=split
     )  # (B, H, Lq_r, Dv)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _WindowPlan(Plan):
+    """The ring's blocks (:mod:`.ring`) on a group of one, no message: one window of queries, at
+    positions ``q_pos`` = [a, b), against a chunk's keys at positions 0 .. L_k - 1. With ``causal`` the
+    window is a maskless rectangle (the keys every row of it sees) and the diagonal triangle, merged by
+    their log-sum-exp, so no (rows, keys) mask exists: ``multihead.attention`` would build one for a
+    bottom-right causal mask with fewer queries than keys."""
+
+    def blocks(self, src: int, shard: Shard, device: torch.device, piece: int = 0) -> list[Block]:
+        q_pos, k_pos, off = self.q_pos, self.k_pos[0], self.causal_offset
+        n, lk, rows = len(q_pos), len(k_pos), slice(0, len(q_pos))
+        if off is None:
+            regions = [Region(rows, slice(0, lk), None, False)]
+        elif 0 <= int(q_pos[0]) + off and int(q_pos[0]) + off + n <= lk:
+            c0 = int(q_pos[0]) + off  # row i sees keys 0 .. c0 + i
+            regions = [Region(rows, slice(0, c0), None, False)] if c0 else []
+            regions.append(Region(rows, slice(c0, c0 + n), None, True))
+        else:  # rows before the first key or past the last (L_k < L_q): the ring's own cut
+            region = visible_region(q_pos, k_pos, off)
+            regions = [] if region is None else split_region(region)
+        ids = None if self.q_ids is None or shard.kv_ids is None else (self.q_ids, shard.kv_ids)
+        return [
+            make_block(
+                r, k_pos, valid_lens=self.valid_lens, key_mask=shard.key_mask, segments=ids, device=device
+            )
+            for r in regions
+            if ids is None or shares_ids(ids[0][:, r.rows], ids[1][:, r.cols])
+        ]
+
+
+def _window_plan(
+    plan: Plan,
+    x: Attend,
+    lk: int,
+    valid_lens: Tensor | None,
+    ids: tuple[Tensor, Tensor] | None,
+    has_key_mask: bool,
+    softcap: float | None,
+) -> _WindowPlan:
+    """The :class:`_WindowPlan` of one window ``x`` (queries at ``x.rows``, keys 0 .. ``lk`` - 1):
+    ``valid_lens`` (B,) or the window's (B, b - a), ``ids`` (q_ids (B, L_q), kv_ids (B, L_k)) or None."""
+    a, z = x.rows.start, x.rows.stop
+    fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}
+    return _WindowPlan(
+        **fields
+        | {
+            "group": None,
+            "rank": 0,
+            "world": 1,
+            "next_peer": 0,
+            "prev_peer": 0,
+            "q_pos_all": [torch.arange(a, z)],
+            "k_pos": [torch.arange(lk)],
+            "heads": x.q.shape[1],
+            "kv_heads": x.k.shape[1],
+            "valid_lens": valid_lens,
+            "has_key_mask": has_key_mask,
+            "q_ids": None if ids is None else ids[0][:, a:z],
+            "kv_ids": None if ids is None else ids[1],
+            "pieces": 1,
+            "softcap": softcap,
+            "kernel": "math" if softcap is not None else plan.kernel,
+        }
+    )
 
 
 def keys_kept(key_mask: Tensor | None, k: Tensor) -> Tensor:

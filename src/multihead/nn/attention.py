@@ -334,17 +334,22 @@ class MultiHeadAttention(nn.Module):
         q, k, v = self.project(query, key, value)  # (B, H, Lq, Dk), (B, Hkv, Lk, Dk), (B, Hkv, Lk, Dv)
         if cache is not None or self.rotary is not None:
             q, k, v = self._rotate_and_cache(q, k, v, cache, segment_ids)
-        options = AttentionOptions(
-            mask=mask,
-            bias=bias,
-            valid_lens=valid_lens,
-            causal=causal,
-            segment_ids=segment_ids,
-            softcap=self.softcap,
-            sinks=self.sinks,
-            dropout=self.dropout if self.training else 0.0,
-            return_weights=return_weights,
-        )
+        softcap, sinks, dropout = self.softcap, self.sinks, self.dropout if self.training else 0.0
+        plain = mask is None and bias is None and valid_lens is None and segment_ids is None
+        if plain and softcap is None and sinks is None:  # a shared record: nothing per call in it
+            options = AttentionOptions.unmasked(causal, None, dropout, return_weights)
+        else:
+            options = AttentionOptions(
+                mask=mask,
+                bias=bias,
+                valid_lens=valid_lens,
+                causal=causal,
+                segment_ids=segment_ids,
+                softcap=softcap,
+                sinks=sinks,
+                dropout=dropout,
+                return_weights=return_weights,
+            )
         out_heads, weights = seam.attend(self, q, k, v, options)  # (B, H, Lq, Dv), (B, H, Lq, Lk) | None
         del q, k, v  # without grad, the projections are freed before the output projection allocates
         out = self.out_proj(merge_heads(out_heads))  # (B, Lq, O)

@@ -58,3 +58,13 @@ def test_head_chunks_lower_the_planned_peak_not_the_bytes():
     )  # per rank: q, out 2 heads, k, v half a head each, of 16k tokens; a K/V head
     got = mhd.plan(16384, **few)["ulysses"].memory_bytes
     assert own + slot < got < own + 1.15 * slot
+
+
+def test_plan_counts_every_all_to_all():
+    """Ulysses' message latency: an all-to-all per tensor and window (K and V when a slot travels, q and the
+    output), each a message to the P - 1 others, as tests/test_distributed_cp.py counts them."""
+    slow = mhd.Machine(compute=1e30, link=1e30, latency=1.0)  # time = messages
+    short = mhd.plan(256, heads=8, kv_heads=2, head_dim=64, world=4, machine=slow, head_chunks=1)
+    assert short["ulysses"].seconds_forward == 4 * 3  # K, V, q, output: one window
+    long = mhd.plan(16384, heads=8, kv_heads=2, head_dim=64, world=4, machine=slow, dtype_bytes=4)
+    assert long["ulysses"].seconds_forward == (4 + 2) * 32 * 3  # two chunks reading one slot, 32 windows

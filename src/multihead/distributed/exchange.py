@@ -167,9 +167,13 @@ what Ulysses holds (the floor: docs/distributed.md)."""
 
 def auto_windows(batch: int, length: int, heads: int, dim: int, ranks: int) -> int:
     """How many windows a chunk of ``heads`` query heads of ``length`` tokens is exchanged in over a group
-    of ``ranks``: 1 while its ``batch * length * heads * dim`` elements fit in :data:`WINDOW_ELEMENTS`,
-    else :data:`WINDOWS` per rank (at most ``length``)."""
-    return 1 if batch * length * heads * dim <= WINDOW_ELEMENTS else max(1, min(WINDOWS * ranks, length))
+    of ``ranks``: 1 while its ``batch * length * heads * dim`` elements fit in :data:`WINDOW_ELEMENTS`, else
+    :data:`WINDOWS` per rank, but no window under an eighth of :data:`WINDOW_ELEMENTS` (every window is
+    an all-to-all: short sequences get fewer) and none empty."""
+    size = batch * length * heads * dim
+    if size <= WINDOW_ELEMENTS:
+        return 1
+    return max(1, min(WINDOWS * ranks, length, math.ceil(size / max(1, WINDOW_ELEMENTS // 8))))
 
 
 def window_edges(length: int, windows: int) -> tuple[int, ...]:

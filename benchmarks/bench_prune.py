@@ -198,8 +198,10 @@ def markdown(res: dict) -> str:
         "command (*external*); the command splits the rest into train / validation / held out itself.",
         "",
         "Stages: *pruned*: the heads the least-squares refit can best make up for, removed (greedy across "
-        "layers by refit residual, `prune.choose_compensable`); *+ refit*: each pruned layer's output "
-        "projection refit by least squares (ridge 1e-2), layer after layer on the pruned model's own inputs; "
+        "layers by refit residual, `prune.choose_compensable`); *+ refit*: each pruned layer's attention output "
+        "projection refit by least squares (ridge 1e-2), layer after layer on the pruned model's own inputs, "
+        "then each layer's feed-forward output projection refit so that its residual sum matches the "
+        "original's (ridge 1.0 toward its own weights, `prune.refit_feed_forward`); "
         "*+ recovery*: distillation toward the original, early-stopped on the validation split.",
         "",
         "Quality: Spearman rank correlation of the pruned model's pairwise sentence similarities (cosine of "

@@ -14,7 +14,9 @@ Dimensions: B batch, L tokens, E hidden width, V vocabulary, N texts, P = N (N -
    least of its layer's output (relative to that output's spread) outside what a least-squares map of
    the kept heads reproduces (:func:`choose_compensable`, :mod:`.choose`; no layer is ever emptied);
 3. refit each pruned layer's output projection by least squares so that the kept heads reproduce the
-   original layer's output on the training tokens (:mod:`.refit`);
+   original layer's output on the training tokens, then (BERT-family encoders) each layer's feed-forward
+   output projection, ridge-pulled toward its own weights, so that the layer's residual sum matches the
+   original's (:mod:`.refit`);
 4. recover: distil toward the original (:mod:`.recover`), stopped early on the validation texts;
 5. measure each stage on the validation and held-out texts (a stage is kept only if it improves the
    validation quality), the parameters, and the forward speed of the original against the pruned model in
@@ -53,7 +55,7 @@ from .objectives import (
     spearman,
 )
 from .recover import Recovery, recover
-from .refit import LeastSquares, output_fits, output_projection, refit
+from .refit import LeastSquares, feed_forward_sums, output_fits, output_projection, refit, refit_feed_forward
 from .report import markdown
 
 __all__ = [
@@ -81,6 +83,7 @@ __all__ = [
     "contrastive_loss",
     "embed",
     "encode",
+    "feed_forward_sums",
     "heads_to_prune",
     "make_batches",
     "markdown",
@@ -93,6 +96,7 @@ __all__ = [
     "read_texts",
     "recover",
     "refit",
+    "refit_feed_forward",
     "run",
     "spearman",
     "split_texts",

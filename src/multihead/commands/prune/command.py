@@ -32,7 +32,7 @@ from .inputs import (
 )
 from .objectives import OBJECTIVES, Batch, Objective, make_batches
 from .recover import Recovery, recover
-from .refit import refit
+from .refit import feed_forward_sums, refit, refit_feed_forward
 from .report import markdown, save, speed
 
 __all__ = ["Job", "Stages", "options_from", "prepare", "run"]
@@ -148,17 +148,13 @@ def _prune(job: Job, opts: Options) -> tuple[nn.Module, dict[str, list[int]]]:
 def _refit(
     job: Job, opts: Options, pruned: nn.Module, removed: dict[str, list[int]], stages: Stages
 ) -> nn.Module:
-    """Refit the pruned layers' output projections (:mod:`.refit`); kept if validation improves."""
+    """Refit the pruned layers' output projections, then each layer's feed-forward output projection
+    (:mod:`.refit`); kept if validation improves."""
     candidate = copy.deepcopy(pruned)
-    with Progress(len(removed), "refit", enabled=opts.progress) as bar:
-        refit(
-            candidate,
-            job.loaded.model,
-            job.batches["refit"],
-            job.objective,
-            list(removed),
-            progress=lambda: bar.update(1),
-        )
+    original, batches = job.loaded.model, job.batches["refit"]
+    with Progress(len(removed) + len(feed_forward_sums(pruned)), "refit", enabled=opts.progress) as bar:
+        refit(candidate, original, batches, job.objective, list(removed), progress=lambda: bar.update(1))
+        refit_feed_forward(candidate, original, batches, job.objective, progress=lambda: bar.update(1))
     stages.measure("refit", candidate)
     return candidate if stages.rows[-1]["kept"] else pruned
 

@@ -208,3 +208,27 @@ def test_the_seam_reads_a_modules_function_and_backend_wherever_they_live():
     holder = nn.Module()
     holder.attention_fn = nn.Identity()  # a submodule
     assert isinstance(seam.attention_fn_of(holder), nn.Identity)
+
+
+class _Inspector(seam.Inspector):
+    def __init__(self):
+        self.seen = 0
+
+    def on_heads(self, module, heads, weights):
+        self.seen += 1
+        return heads
+
+
+def test_the_seams_unmasked_entry_steps_aside_whenever_attend_has_work():
+    q, k, v = _qkv(1, 4, 2, 1, 9)
+    plain = nn.Linear(2, 2)  # another library's module: default function and backend
+    want = seam.attend(plain, q, k, v, causal=False, scale=0.5)[0]
+    got = seam.attend_unmasked(plain, q, k, v, False, 0.5)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with seam.inspecting(_Inspector()) as inspector:
+        assert seam.attend_unmasked(plain, q, k, v, False, 0.5) is None  # an inspector must see the heads
+        seam.attend(plain, q, k, v)
+    assert inspector.seen == 1
+    own = mh.MultiHeadAttention(8, 2, attention_fn=_Fn())
+    assert seam.attend_unmasked(own, q, k, v, False, 0.5) is None  # the module's own function
+    assert seam.attend_unmasked(_WithProperty(), q, k, v, False, 0.5) is None  # a named backend

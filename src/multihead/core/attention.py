@@ -34,6 +34,7 @@ __all__ = [
     "output_and_weights",
     "prepare",
     "reference_with",
+    "unmasked_attention",
 ]
 
 
@@ -159,7 +160,7 @@ def _nothing_to_mask(
     )
 
 
-def _unmasked(q: Tensor, k: Tensor, v: Tensor, causal: object, scale: float | None) -> Tensor | None:
+def unmasked_attention(q: Tensor, k: Tensor, v: Tensor, causal: object, scale: float | None) -> Tensor | None:
     """The unmasked lane: an auto-routed call with nothing to mask (but ``causal`` where it is the kernel's
     own, Lq == Lk, or moot, Lq == 1), served by :func:`~multihead.core.backends.unmasked_route`'s backend
     without normalising masks or walking the registry -> (B, H, Lq, Dv); ``None`` where the call goes the
@@ -216,7 +217,7 @@ def attention_with(
     if backend == "auto" and _nothing_to_mask(
         o.mask, o.bias, o.valid_lens, o.segment_ids, o.softcap, o.sinks, o.dropout, o.return_weights
     ):
-        out = _unmasked(q, k, v, o.causal, o.scale)
+        out = unmasked_attention(q, k, v, o.causal, o.scale)
         if out is not None:
             return out
     call = prepare(q, k, v, options)
@@ -300,7 +301,7 @@ def attention(
     if backend == "auto" and _nothing_to_mask(
         mask, bias, valid_lens, segment_ids, softcap, sinks, dropout, return_weights
     ):
-        out = _unmasked(q, k, v, causal, scale)
+        out = unmasked_attention(q, k, v, causal, scale)
         if out is not None:
             return out
     options = (

@@ -43,7 +43,7 @@ from typing import Any, Protocol
 
 from torch import Tensor, nn
 
-from ..core.attention import attention, attention_with, output_and_weights
+from ..core.attention import attention, attention_with, output_and_weights, unmasked_attention
 from ..core.options import AttentionFn, AttentionOptions, call_attention_fn, options_of
 
 __all__ = [
@@ -52,6 +52,7 @@ __all__ = [
     "Inspector",
     "active",
     "attend",
+    "attend_unmasked",
     "check_positions",
     "current",
     "inspecting",
@@ -173,6 +174,23 @@ def attention_fn_of(module: object) -> AttentionFn:
     """The attention function :func:`attend` calls for ``module``: its ``attention_fn``, or
     :func:`multihead.attention` for a module without one (another library's)."""
     return _read(module, "attention_fn", attention)
+
+
+def attend_unmasked(
+    module: object, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None
+) -> Tensor | None:
+    """:func:`attend` of a call with nothing to mask (``causal`` and ``scale`` only), in the case where
+    nothing stands between the module and the kernel: no inspector active, the module on the default
+    attention function and backend. Then it is the core's unmasked lane
+    (:func:`~multihead.core.attention.unmasked_attention`) -> heads (B, H, Lq, Dv), what :func:`attend`
+    would return; ``None`` where :func:`attend` has work to do (or the lane does not serve the call).
+
+    For callers that pay per call in Python (a decoding step of a Hugging Face model): it skips the options
+    record and the inspector loop, nothing else.
+    """
+    if _stack() or attention_fn_of(module) is not attention or _read(module, "backend", "auto") != "auto":
+        return None
+    return unmasked_attention(q, k, v, causal, scale)
 
 
 def is_sharded(fn: AttentionFn) -> bool:

@@ -85,6 +85,51 @@ def _segments(kwargs: Mapping[str, Any], batch: int, length: int) -> Tensor | No
     return None
 
 
+_OTHER_OPTIONS = (
+    "sliding_window",
+    "position_bias",
+    "softcap",
+    "s_aux",
+    "sinks",
+    "cache",
+    "output_attentions",
+)
+
+
+def _nothing_else(kwargs: Mapping[str, Any]) -> bool:
+    """Whether transformers passed none of the options that change a call without a mask (a window, a
+    position bias, softcap, sinks, a paged cache, weights) and records no weights."""
+    for name in _OTHER_OPTIONS:
+        if kwargs.get(name) is not None and kwargs.get(name) is not False:
+            return False
+    return not _recording_attentions()
+
+
+def _unmasked_forward(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    scaling: float | None,
+    is_causal: bool | None,
+    kwargs: Mapping[str, Any],
+) -> Tensor | None:
+    """:func:`attention_forward` of a call with no mask, dropout or other option, where the heads are those of
+    an unmasked call (:func:`multihead.nn.seam.attend_unmasked`): a decoding step (Lq = 1 sees every key),
+    full attention, or causal self-attention over one sequence per row. Returns heads (B, H, Lq, D), or
+    None where the whole way serves the call (packed rows, a prefill into a longer cache, ...)."""
+    lq, lk = query.shape[2], key.shape[2]
+    causal = False
+    if lq > 1:
+        wants_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+        if lq != lk and wants_causal:
+            return None  # top-left causal into an empty static cache: a mask
+        if wants_causal and _segments(kwargs, query.shape[0], lq) is not None:
+            return None  # packed sequences: segment ids
+        causal = bool(wants_causal)
+    return seam.attend_unmasked(module, query, key, value, causal, scaling)
+
+
 def attention_forward(
     module: nn.Module,
     query: Tensor,
@@ -123,6 +168,10 @@ def attention_forward(
         return _sharded_forward(
             module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs
         )
+    if attention_mask is None and not dropout and _nothing_else(kwargs):  # a decoding step, a plain prefill
+        heads = _unmasked_forward(module, query, key, value, scaling, is_causal, kwargs)
+        if heads is not None:
+            return heads.transpose(1, 2).contiguous(), None  # (B, Lq, H, D)
     if kwargs.get("cache") is not None:
         raise ValueError(
             "multihead attention does not serve transformers' paged cache (continuous batching); use "

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from transformers.masking_utils import sdpa_mask
+from transformers.masking_utils import causal_mask_function, sdpa_mask
 
 from ...distributed.context import current
 from .models import _check_config
@@ -69,20 +69,6 @@ def mask_interface(
         if attention_mask is None or bool(attention_mask.all()):
             return None
         return attention_mask[:, None, None, :].bool()  # (B, 1, 1, L_r)
-    call = dict(
-        batch_size=batch_size,
-        q_length=q_length,
-        kv_length=kv_length,
-        q_offset=q_offset,
-        kv_offset=kv_offset,
-        attention_mask=attention_mask,
-        allow_is_causal_skip=allow_is_causal_skip,
-        use_vmap=use_vmap,
-        device=device,
-        **kwargs,
-    )
-    if mask_function is not None:
-        call["mask_function"] = mask_function
     packed = (
         mask_function is not None
         and attention_mask is None
@@ -94,4 +80,18 @@ def mask_interface(
         and q_length == kv_length
         and _splits_sequences(mask_function, batch_size, q_length, device)
     )
-    return mask_function if packed else sdpa_mask(**call)
+    if packed:
+        return mask_function
+    return sdpa_mask(
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=causal_mask_function if mask_function is None else mask_function,
+        attention_mask=attention_mask,
+        allow_is_causal_skip=allow_is_causal_skip,
+        use_vmap=use_vmap,
+        device=device,
+        **kwargs,
+    )

@@ -105,29 +105,29 @@ def _nothing_else(kwargs: Mapping[str, Any]) -> bool:
     return not _recording_attentions()
 
 
-def _unmasked_forward(
-    module: nn.Module,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    scaling: float | None,
-    is_causal: bool | None,
-    kwargs: Mapping[str, Any],
-) -> Tensor | None:
-    """:func:`attention_forward` of a call with no mask, dropout or other option, where the heads are those of
-    an unmasked call (:func:`multihead.nn.seam.attend_unmasked`): a decoding step (Lq = 1 sees every key),
-    full attention, or causal self-attention over one sequence per row. Returns heads (B, H, Lq, D), or
-    None where the whole way serves the call (packed rows, a prefill into a longer cache, ...)."""
+def _without_mask(
+    module: nn.Module, query: Tensor, key: Tensor, is_causal: bool | None, kwargs: Mapping[str, Any]
+) -> tuple[Tensor | None, bool, Tensor | None]:
+    """``(mask, causal, segment_ids)`` of a call transformers gave no mask: causal when the module is (for
+    Lq > 1), top-left into an empty static cache, a sliding window where one applies, and packed rows where
+    ``position_ids`` restart."""
     lq, lk = query.shape[2], key.shape[2]
+    wants_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    window = kwargs.get("sliding_window")
+    mask = segment_ids = None
     causal = False
-    if lq > 1:
-        wants_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-        if lq != lk and wants_causal:
-            return None  # top-left causal into an empty static cache: a mask
-        if wants_causal and _segments(kwargs, query.shape[0], lq) is not None:
-            return None  # packed sequences: segment ids
-        causal = bool(wants_causal)
-    return seam.attend_unmasked(module, query, key, value, causal, scaling)
+    if wants_causal and lq > 1 and lk > lq:
+        # prefill into an empty static cache: the keys after Lq are future slots (top-left causal)
+        mask = _masks.causal(lq, lk, diagonal=0, device=query.device)  # (Lq, Lk)
+    elif wants_causal and window is not None and lk > window:
+        mask = _masks.sliding_window(lq, lk, window=window, device=query.device)  # (Lq, Lk), bottom right
+    else:
+        causal = bool(wants_causal) and lq > 1
+    if wants_causal and lq == lk > 1:
+        # no mask: transformers saw no padding, and no packing when a cache is on (it then skips its
+        # packed-sequence check); positions that restart still mean packed rows
+        segment_ids = _segments(kwargs, query.shape[0], lq)  # (B, L) | None: one sequence per row
+    return mask, causal, segment_ids
 
 
 def attention_forward(
@@ -168,10 +168,6 @@ def attention_forward(
         return _sharded_forward(
             module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs
         )
-    if attention_mask is None and not dropout and _nothing_else(kwargs):  # a decoding step, a plain prefill
-        heads = _unmasked_forward(module, query, key, value, scaling, is_causal, kwargs)
-        if heads is not None:
-            return heads.transpose(1, 2).contiguous(), None  # (B, Lq, H, D)
     if kwargs.get("cache") is not None:
         raise ValueError(
             "multihead attention does not serve transformers' paged cache (continuous batching); use "
@@ -181,19 +177,12 @@ def attention_forward(
     mask = bias = segment_ids = None
     causal = False
     if attention_mask is None:
-        wants_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-        window = kwargs.get("sliding_window")
-        if wants_causal and lq > 1 and lk > lq:
-            # prefill into an empty static cache: the keys after Lq are future slots (top-left causal)
-            mask = _masks.causal(lq, lk, diagonal=0, device=query.device)  # (Lq, Lk)
-        elif wants_causal and window is not None and lk > window:
-            mask = _masks.sliding_window(lq, lk, window=window, device=query.device)  # (Lq, Lk), bottom right
-        else:
-            causal = bool(wants_causal) and lq > 1
-        if wants_causal and lq == lk > 1:
-            # no mask: transformers saw no padding, and no packing when a cache is on (it then skips its
-            # packed-sequence check); positions that restart still mean packed rows
-            segment_ids = _segments(kwargs, query.shape[0], lq)  # (B, L) | None: one sequence per row
+        mask, causal, segment_ids = _without_mask(module, query, key, is_causal, kwargs)
+        if mask is None and segment_ids is None and not dropout and _nothing_else(kwargs):
+            # a decoding step, a plain prefill: the seam's unmasked entry, unless it has work to do
+            heads = seam.attend_unmasked(module, query, key, value, causal, scaling)  # (B, H, Lq, D) | None
+            if heads is not None:
+                return heads.transpose(1, 2).contiguous(), None  # (B, Lq, H, D)
     elif not isinstance(attention_mask, Tensor):
         mask = attention_mask  # packed sequences: transformers' index function (see mask_interface)
         segment_ids = _segments(kwargs, query.shape[0], lq) if lq == lk else None  # (B, L)

@@ -220,6 +220,14 @@ def attention_with(
         out = unmasked_attention(q, k, v, o.causal, o.scale)
         if out is not None:
             return out
+    return _whole_way(q, k, v, options, backend)
+
+
+def _whole_way(
+    q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions, backend: str
+) -> Tensor | AttentionOutput:
+    """Validate, normalise the masks, pick the backend and run it (the unmasked lane already declined or
+    did not apply)."""
     call = prepare(q, k, v, options)
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a str ('auto', {', '.join(map(repr, _backends.available()))})")
@@ -318,7 +326,7 @@ def attention(
             return_weights=return_weights,
         )
     )
-    return attention_with(q, k, v, options, backend)
+    return _whole_way(q, k, v, options, backend)  # the lane was tried above
 
 
 def explain_backends(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> dict[str, list[str]]:

@@ -38,7 +38,7 @@ from ..checks import is_tracing
 from ..masks import attn_mask as additive
 from ..masks import causal, key_prefix, materialize, to_bias
 from ..segments import packed_runs
-from ._common import DENSE_LIMIT, FUSED_CPU_TAKES_GROUPS, dense_refusal, kv_for_cpu_kernel, zero_dead_rows
+from ._common import DENSE_LIMIT, dense_refusal, kv_for_cpu_kernel, zero_dead_rows
 from .base import AttentionCall, Deferral
 
 if TYPE_CHECKING:
@@ -196,8 +196,6 @@ class SDPABackend:
         dtype this backend does not serve. The same kernel call as :meth:`__call__` makes for such a call."""
         if q.dtype not in _DTYPES:
             return None
-        if FUSED_CPU_TAKES_GROUPS and not q.is_cuda:  # what _kernel comes to here, without its two calls
-            return _fused(q, k, v, None, causal, 0.0, scale)
         return _kernel(q, k, v, None, causal, 0.0, scale)
 
 

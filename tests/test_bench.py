@@ -204,8 +204,25 @@ def test_every_row_of_a_suite_has_a_contender(suite):
 
 
 def test_unknown_contender_names_the_known_ones():
-    with pytest.raises(ValueError, match=r"no contender 'sdpa' at level 'module'; known there: \['keras'"):
-        build("sdpa", Case("x", 1, 4, 16, 2), torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"no contender 'ring' at level 'module'; known there: \['keras'"):
+        build("ring", Case("x", 1, 4, 16, 2), torch.device("cpu"))
+
+
+def test_sdpa_module_is_the_same_projections_around_sdpa():
+    """The module-level sdpa peer computes what MultiHeadAttention computes (same weights, same seed)."""
+    case = Case("x", 2, 9, 16, 4, causal=True, dtype="float64")
+    ours, peer = (build(name, case, torch.device("cpu")).run() for name in ("multihead", "sdpa"))
+    torch.testing.assert_close(peer, ours, rtol=0, atol=1e-12)
+
+
+def test_cuda_suite_names_each_sdpa_backend_and_the_window_target():
+    from multihead.bench.cases import cuda_suite
+
+    suite = cuda_suite(quick=True)
+    grid = [c for c in suite.cases if c.level == "module"]
+    assert grid and all({r.label for r in c.runs} >= {"sdpa@sdpa_backend=flash", "torch"} for c in grid)
+    window = next(c for c in suite.cases if "window" in c.name)
+    assert any(t.peer == "multihead@mask=None" and t.bound == 0.25 for t in window.targets)
 
 
 def test_row_labels_and_variants():

@@ -234,3 +234,12 @@ def test_flex_serves_function_masks_without_a_dense_grid():
     big = _qkv(4, 16, 16, 4096, 4096, torch.bfloat16)
     reasons = explain_backends(*big, **kw)
     assert reasons["flex"] == [] and any("dense (B, H, Lq, Lk) grid" in r for r in reasons["math"])
+
+
+def test_negative_valid_lens_act_as_zero_on_cuda():
+    """On a GPU valid_lens are not read on the host (no sync): a negative length is a row with no key."""
+    q, k, v = _qkv(2, 4, 2, 9, 9, torch.float32)
+    for backend in BACKENDS:
+        neg = mh.attention(q, k, v, backend=backend, valid_lens=torch.tensor([-3, 5], device=DEV))
+        zero = mh.attention(q, k, v, backend=backend, valid_lens=torch.tensor([0, 5], device=DEV))
+        assert torch.equal(neg, zero) and neg[0].abs().max() == 0

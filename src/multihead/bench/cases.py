@@ -101,6 +101,7 @@ class Case:
         "lambda"  # how it is given: "lambda", "library", "segments", "blockmask" ("rebuilt": flex)
     )
     rounds: int | None = None
+    sdpa_backend: str | None = None  # the sdpa contender in one SDPA backend ("flash", "efficient", "cudnn")
     runs: tuple[Run, ...] = ()
     targets: tuple[Target, ...] = ()
 
@@ -306,24 +307,68 @@ def cpu_suite(quick: bool = False) -> Suite:
     return Suite([*cases, *decode, ring, *_modern_cases(quick), *_flex_cases(quick)], [sweep])
 
 
-def cuda_suite(quick: bool = False) -> Suite:
-    """The flash-attention benchmark's shapes (B*L = 16k, bf16) plus the module cases, on CUDA."""
+SDPA_BACKENDS = ("flash", "efficient", "cudnn")
+#: FlashAttention's benchmark shapes: B*L = 16k tokens, model width 2048 (32 heads of 64, 16 of 128)
+CUDA_LENGTHS, CUDA_TOKENS, CUDA_WIDTH = (1024, 4096, 16384), 16384, 2048
+
+
+def _sdpa_rows() -> tuple[Run, ...]:
+    return tuple(row("sdpa", sdpa_backend=b) for b in SDPA_BACKENDS)
+
+
+def _cuda_grid(quick: bool) -> list[Case]:
+    """Attention alone and the whole module, bf16, at every (L, D, causal, mode) of the grid: against each
+    SDPA backend (and, at the module level, the same projections around it, and torch's MHA); compiled
+    flex_attention as a peer at one length (each compile costs seconds of the run)."""
+    lengths = (128, 256) if quick else CUDA_LENGTHS
+    tokens, width = (512, 256) if quick else (CUDA_TOKENS, CUDA_WIDTH)
     cases = []
-    lengths = (128, 256) if quick else (512, 1024, 2048, 4096, 8192, 16384)
-    for d in (64, 128):
-        for causal in (False, True):
-            for n in lengths:
-                for mode in ("forward", "train"):
-                    cases.append(
-                        Case(f"attention L={n} D={d}{' causal' if causal else ''} {mode}", 16384 // n, n,
-                             2048, 2048 // d, causal=causal, mode=mode, level="attention", dtype="bfloat16",
-                             runs=(row(OURS), row("sdpa"), row("naive")))
-                    )  # fmt: skip
-    module = {"self-attention forward", "self-attention forward+backward"}
-    cases += [
-        replace(c, dtype="bfloat16", name=c.name + " bf16", targets=())
-        for c in cpu_suite(quick).cases
-        if c.name in module
-    ]
+    for level in ("attention", "module"):
+        for d in (64, 128):
+            for causal in (False, True):
+                for n in lengths:
+                    for mode in ("forward", "train"):
+                        peers = _sdpa_rows()
+                        if level == "module":
+                            peers += (row("torch"),)
+                        elif n == lengths[1] and d == 128:
+                            peers += (row("flex"),)
+                        what = f"{level} L={n} D={d}{' causal' if causal else ''} {mode}"
+                        bound = 1 / 0.95 if level == "module" else 1.0
+                        cases.append(Case(what, tokens // n, n, width, width // d, causal=causal, mode=mode,
+                                          level=level, dtype="bfloat16", runs=(row(OURS), *peers),
+                                          targets=(Target("time", "sdpa", "<=", bound),)))  # fmt: skip
+    return cases
+
+
+def _cuda_masks(quick: bool) -> list[Case]:
+    """A causal sliding window of L/8 and packed documents at L = 16k, bf16: the library's mask function
+    (or segment ids) and a FlexAttention BlockMask passed in, against the unmasked call, SDPA with the dense
+    bool mask, and compiled flex_attention with the BlockMask built once."""
+    n, width, heads = (256, 256, 2) if quick else (16384, 2048, 16)
+    cases = []
+    for kind, form, modes in (("causal window L/8", "library", ("forward", "train")),
+                              ("documents", "segments", ("forward",))):  # fmt: skip
+        for mode in modes:
+            runs = (
+                row(OURS),
+                row(OURS, mask_form="blockmask"),
+                row(OURS, mask=None),
+                row("sdpa"),
+                row("flex"),
+            )
+            targets = [Target("time", "flex", "<=", 1.0), Target("time", "sdpa", "<=", 0.5)]
+            if kind.startswith("causal window"):
+                targets.append(Target("time", f"{OURS}@mask=None", "<=", 0.25))
+            cases.append(Case(f"mask: {kind} ({form}) L={n} {mode}", 1, n, width, heads, mode=mode,
+                              level="attention", dtype="bfloat16", mask=kind, mask_form=form,
+                              runs=runs, targets=tuple(targets)))  # fmt: skip
+    return cases
+
+
+def cuda_suite(quick: bool = False) -> Suite:
+    """The CUDA cases: the (L, D, causal, mode) grid of attention and of the module against SDPA's
+    backends, masks through block skipping, and decoding steps, all in bf16."""
     decode, sweep = _decode_cases(quick)
-    return Suite(cases + decode, [sweep])
+    decode = [replace(c, dtype="bfloat16") for c in decode]
+    return Suite([*_cuda_grid(quick), *_cuda_masks(quick), *decode], [sweep])

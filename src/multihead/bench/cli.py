@@ -18,6 +18,9 @@ __all__ = ["add_arguments", "main", "run"]
 
 QUICK = Settings(warmup=1, min_rounds=3, max_rounds=3, budget_s=0.0, matmul_n=256)
 FULL = Settings()
+#: On a GPU a case's call takes milliseconds and the grid is large: fewer rounds, and a bf16 yardstick big
+#: enough to reach the tensor cores' rate (2 * 8192**3 = 1.1 TFLOP a call).
+CUDA = Settings(min_rounds=5, max_rounds=30, budget_s=1.0, matmul_n=8192, matmul_dtype="bfloat16")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--budget",
         type=float,
         default=None,
-        help=f"seconds per case for more rounds (default {FULL.budget_s:g})",
+        help=f"seconds per case for more rounds (default {FULL.budget_s:g}; CUDA {CUDA.budget_s:g})",
     )
     parser.add_argument(
         "--only",
@@ -52,7 +55,9 @@ def run(args: argparse.Namespace) -> int:
     if not suite.cases:
         print(f"multihead bench: no case name contains {args.only!r}", file=sys.stderr)
         return 2
-    settings = QUICK if args.quick else FULL
+    settings = QUICK if args.quick else (CUDA if device.type == "cuda" else FULL)
+    if device.type == "cuda":
+        settings = settings._replace(matmul_dtype="bfloat16")
     if args.rounds:
         settings = settings._replace(min_rounds=args.rounds, max_rounds=max(args.rounds, settings.max_rounds))
     if args.budget is not None:

@@ -13,7 +13,8 @@ step puts its cache back to the case's length there). Contenders (:data:`CONTEND
 * ``naive``: the seed notebooks' attention (three ``Linear``s, matmul, softmax, matmul);
 * ``keras``: ``keras.layers.MultiHeadAttention`` on the torch backend (optional);
 * ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` (attention; a mask case: with the mask
-  as a dense bool tensor);
+  as a dense bool tensor), in one SDPA backend where the case's ``sdpa_backend`` names one; at module
+  level the same fused QKV and output projections as the module around it;
 * ``flex``: ``torch.compile(flex_attention)`` with the mask case's BlockMask built once (or, with
   ``mask_form="rebuilt"``, on every call);
 * ``bare``: the bare work of a decoding step: QKV projection of the new token, its keys/values written
@@ -27,6 +28,7 @@ step puts its cache back to the case's length there). Contenders (:data:`CONTEND
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Callable
@@ -38,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..core.attention import attention
-from ..core.masks import evaluate_fn, sliding_window_fn
+from ..core.masks import sliding_window_fn
 from ..nn.attention import MultiHeadAttention, merge_heads, split_heads
 from ..nn.cache import KVCache
 from .cases import Case
@@ -79,9 +81,9 @@ def build(name: str, case: Case, device: torch.device) -> Step:
     return contender.build(case, device)
 
 
-def matmul_step(device: torch.device, n: int) -> Step:
-    """The yardstick: an (n, n) @ (n, n) fp32 matmul, ``2*n**3`` FLOPs."""
-    a, b = (torch.randn(n, n, device=device) for _ in range(2))
+def matmul_step(device: torch.device, n: int, dtype: str = "float32") -> Step:
+    """The yardstick: an (n, n) @ (n, n) matmul in ``dtype``, ``2*n**3`` FLOPs."""
+    a, b = (torch.randn(n, n, device=device, dtype=getattr(torch, dtype)) for _ in range(2))
     return Step(lambda: a @ b)
 
 
@@ -244,7 +246,7 @@ def window_function(w: int, form: str = "lambda") -> Callable[[Tensor, Tensor, T
 def _ours_attention(case: Case, device: torch.device) -> Step:
     q, k, v = _qkv(case, device)
     if case.mask:  # a mask case: the mask as the case's form gives it (lambda, library, segments, BlockMask)
-        kw = mask_of(case.mask, case.mask_form, case.length)
+        kw = mask_of(case.mask, case.mask_form, case.length, device)
         return _step(lambda: attention(q, k, v, **kw), case, [q, k, v])  # type: ignore[arg-type]
     if case.window:  # a mask function: the call's cost follows the window, not L*L
         fn = window_function(case.window, case.window_form)
@@ -291,19 +293,73 @@ def _padded_attention(case: Case, device: torch.device) -> Step:
     return _step(lambda: attention(q, k, v, valid_lens=lens, causal=case.causal), case, [q, k, v])
 
 
+def _plain_mask(case: Case, device: torch.device) -> Callable[..., Tensor] | None:
+    """The case's mask as a plain mask_mod on ``device`` (its mask kind, or causal), ``None`` if unmasked."""
+    if case.mask:
+        return KINDS[case.mask].plain(case.length, device)  # type: ignore[no-any-return]
+    if case.causal:  # bottom-right aligned, as mh.attention's causal (Lq == Lk here)
+        return lambda b, h, q_idx, kv_idx: q_idx >= kv_idx
+    return None
+
+
+def _sdpa_backend(case: Case) -> contextlib.AbstractContextManager[object]:
+    """``sdpa_kernel`` restricted to ``case.sdpa_backend`` ("flash", "efficient", "cudnn", "math"), or
+    nothing: torch's own choice."""
+    if case.sdpa_backend is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
+
+    names = {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "math": SDPBackend.MATH,
+    }
+    return sdpa_kernel(names[case.sdpa_backend])
+
+
+def _sdpa_call(case: Case, device: torch.device) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    """SDPA on q (B, H, L, D), k/v (B, Hkv, L, D) with the case's mask (dense bool, built once on the
+    device) or ``is_causal``, in the case's SDPA backend."""
+    dense = None
+    if case.mask:  # the equivalent dense bool mask (L, L)
+        fn, n = _plain_mask(case, device), case.length
+        rows, cols = torch.arange(n, device=device).view(-1, 1), torch.arange(n, device=device).view(1, -1)
+        dense = fn(torch.zeros((), device=device), torch.zeros((), device=device), rows, cols)  # type: ignore[misc]
+
+    def call(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        with _sdpa_backend(case):
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=dense, is_causal=case.causal and dense is None,
+                enable_gqa=k.shape[1] != q.shape[1],
+            )  # fmt: skip
+
+    return call
+
+
 def _sdpa_attention(case: Case, device: torch.device) -> Step:
     q, k, v = _qkv(case, device)
-    gqa = k.shape[1] != q.shape[1]
-    dense = None
-    if case.mask:  # the equivalent dense bool mask (L, L), built once
-        dense = evaluate_fn(KINDS[case.mask].plain(case.length), (1, 1, case.length, case.length), "mask")
-    return _step(
-        lambda: F.scaled_dot_product_attention(
-            q, k, v, attn_mask=dense, is_causal=case.causal and dense is None, enable_gqa=gqa
-        ),
-        case,
-        [q, k, v],
-    )
+    call = _sdpa_call(case, device)
+    call(q.detach(), k.detach(), v.detach())  # a backend that cannot serve the case raises here, not timed
+    return _step(lambda: call(q, k, v), case, [q, k, v])
+
+
+def _sdpa_module(case: Case, device: torch.device) -> Step:
+    """The module's work by hand: the same fused QKV and output projections around SDPA."""
+    x = _module_input(case, device)
+    mod = MultiHeadAttention(case.embed_dim, case.heads, kv_heads=case.kv_heads, **_factory(case, device))  # type: ignore[arg-type]
+    h, hkv, d = mod.num_heads, mod.kv_heads, mod.head_dim
+    sizes = [h * d, hkv * d, hkv * mod.v_head_dim]  # rows of q, k, v in in_proj
+    call = _sdpa_call(case, device)
+
+    def forward() -> Tensor:
+        q, k, v = F.linear(x, mod.in_proj_weight, mod.in_proj_bias).split(sizes, dim=-1)  # (B, L, *)
+        heads = call(split_heads(q, h), split_heads(k, hkv), split_heads(v, hkv))  # (B, H, L, D)
+        return mod.out_proj(merge_heads(heads))  # (B, L, E)
+
+    with torch.no_grad():
+        forward()  # a backend that cannot serve the case raises here, not timed
+    return _module(mod, case, x, forward)
 
 
 def _flex_attention(case: Case, device: torch.device) -> Step:
@@ -312,21 +368,21 @@ def _flex_attention(case: Case, device: torch.device) -> Step:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     q, k, v = _qkv(case, device)
-    fn = KINDS[case.mask].plain(case.length) if case.mask else None
+    fn = _plain_mask(case, device)
     # a fresh compile budget for each case: past dynamo's recompile limit (8 mask_mods in one process)
     # flex_attention falls back to its eager form, which materialises (Lq, Lk) scores (23 GB at 16k: the
     # machine killed the whole `--only flex:` run) and would time the wrong peer
     torch._dynamo.reset()
     run = torch.compile(flex_attention, dynamic=False)
-    n = case.length
+    n, gqa = case.length, k.shape[1] != q.shape[1]
 
     def blocks() -> object:
         return None if fn is None else create_block_mask(fn, None, None, n, n, device=device.type)
 
     built = blocks()
     if case.mask_form == "rebuilt":
-        return _step(lambda: run(q, k, v, block_mask=blocks()), case, [q, k, v])
-    return _step(lambda: run(q, k, v, block_mask=built), case, [q, k, v])
+        return _step(lambda: run(q, k, v, block_mask=blocks(), enable_gqa=gqa), case, [q, k, v])
+    return _step(lambda: run(q, k, v, block_mask=built, enable_gqa=gqa), case, [q, k, v])
 
 
 def _naive_attention(case: Case, device: torch.device) -> Step:
@@ -415,6 +471,7 @@ CONTENDERS: dict[tuple[str, str], Contender] = {
     ("naive", "module"): Contender(_naive_module, _always),
     ("keras", "module"): Contender(_keras_module, _always),
     ("multihead", "attention"): Contender(_ours_attention, _when_weights),
+    ("sdpa", "module"): Contender(_sdpa_module, _never),
     ("sdpa", "attention"): Contender(_sdpa_attention, _never),
     ("flex", "attention"): Contender(_flex_attention, _never),
     ("naive", "attention"): Contender(_naive_attention, _always),

@@ -26,10 +26,11 @@ WINDOW, CHUNK = 512, 512
 
 
 class MaskKind(NamedTuple):
-    """``plain(L)``: the user's mask_mod; ``library(L)``: the library's function or ``None``;
-    ``segments(L)``: (1, L) segment ids whose causal attention is the same mask, or ``None``."""
+    """``plain(L, device)``: the user's mask_mod (a tensor it captures lives on ``device``);
+    ``library(L)``: the library's function or ``None``; ``segments(L)``: (1, L) segment ids whose causal
+    attention is the same mask, or ``None``."""
 
-    plain: Callable[[int], MaskFn]
+    plain: Callable[..., MaskFn]
     library: Callable[[int], MaskFn | None]
     segments: Callable[[int], Tensor | None]
 
@@ -43,25 +44,30 @@ def document_ids(length: int, seed: int = 0) -> Tensor:
     return torch.tensor(ids[:length])
 
 
-def _two_sided(length: int) -> MaskFn:
+def _two_sided(length: int, device: object = "cpu") -> MaskFn:
     return lambda b, h, q_idx, kv_idx: (q_idx - kv_idx < WINDOW) & (kv_idx - q_idx < WINDOW)
 
 
-def _causal_window(length: int) -> MaskFn:
+def _causal_window(length: int, device: object = "cpu") -> MaskFn:
     return lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx < WINDOW)
 
 
-def _prefix_lm(length: int) -> MaskFn:
+def _eighth_window(length: int, device: object = "cpu") -> MaskFn:
+    w = length // 8
+    return lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx < w)
+
+
+def _prefix_lm(length: int, device: object = "cpu") -> MaskFn:
     prefix = length // 4
     return lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) | (kv_idx < prefix)
 
 
-def _chunked(length: int) -> MaskFn:
+def _chunked(length: int, device: object = "cpu") -> MaskFn:
     return lambda b, h, q_idx, kv_idx: (q_idx // CHUNK == kv_idx // CHUNK) & (kv_idx <= q_idx)
 
 
-def _documents(length: int) -> MaskFn:
-    ids = document_ids(length)
+def _documents(length: int, device: object = "cpu") -> MaskFn:
+    ids = document_ids(length).to(device)  # (L,)
     return lambda b, h, q_idx, kv_idx: (ids[q_idx] == ids[kv_idx]) & (kv_idx <= q_idx)
 
 
@@ -70,26 +76,28 @@ KINDS: dict[str, MaskKind] = {
         _two_sided, lambda n: sliding_window_fn(WINDOW, causal=False), lambda n: None
     ),
     "causal window": MaskKind(_causal_window, lambda n: sliding_window_fn(WINDOW), lambda n: None),
+    "causal window L/8": MaskKind(_eighth_window, lambda n: sliding_window_fn(n // 8), lambda n: None),
     "prefix-LM": MaskKind(_prefix_lm, lambda n: prefix_lm_fn(n // 4), lambda n: None),
     "chunked": MaskKind(_chunked, lambda n: chunked_fn(CHUNK), lambda n: None),
     "documents": MaskKind(_documents, lambda n: None, lambda n: document_ids(n)[None]),
 }
 
 
-def mask_of(kind: str, form: str, length: int) -> dict[str, object]:
-    """The ``mh.attention`` keywords of mask ``kind`` in ``form``: "lambda" (the plain mask_mod),
-    "library" (the library's function), "segments" (segment ids, causal) or "blockmask" (a FlexAttention
-    BlockMask of the plain mask_mod, built once here)."""
-    k = KINDS[kind]
+def mask_of(kind: str, form: str, length: int, device: torch.device | str = "cpu") -> dict[str, object]:
+    """The ``mh.attention`` keywords of mask ``kind`` in ``form`` for inputs on ``device``: "lambda" (the
+    plain mask_mod), "library" (the library's function), "segments" (segment ids, causal) or "blockmask"
+    (a FlexAttention BlockMask of the plain mask_mod, built once here)."""
+    k, device = KINDS[kind], torch.device(device)
     if form == "library":
         return {"mask": k.library(length)}
     if form == "segments":
-        return {"segment_ids": k.segments(length), "causal": True}
+        return {"segment_ids": k.segments(length).to(device), "causal": True}  # type: ignore[union-attr]
     if form == "blockmask":
         from torch.nn.attention.flex_attention import create_block_mask
 
-        return {"mask": create_block_mask(k.plain(length), None, None, length, length, device="cpu")}
-    return {"mask": k.plain(length)}
+        fn = k.plain(length, device)
+        return {"mask": create_block_mask(fn, None, None, length, length, device=device.type)}
+    return {"mask": k.plain(length, device)}
 
 
 @functools.cache

@@ -30,13 +30,15 @@ __all__ = ["Settings", "available_bytes", "interleaved", "peak_memory", "track_c
 
 class Settings(NamedTuple):
     """How a case is timed: ``warmup`` rounds, then ``min_rounds`` .. ``max_rounds`` timed rounds, as
-    many as fit in ``budget_s`` seconds; the yardstick is an (``matmul_n``, ``matmul_n``) matmul."""
+    many as fit in ``budget_s`` seconds; the yardstick is an (``matmul_n``, ``matmul_n``) matmul in
+    ``matmul_dtype``."""
 
     warmup: int = 2
     min_rounds: int = 11
     max_rounds: int = 101
     budget_s: float = 10.0
     matmul_n: int = 2048
+    matmul_dtype: str = "float32"
 
 
 def sync(device: torch.device) -> None:

@@ -36,12 +36,30 @@ def _f(x: float | None, spec: str) -> str:
     return "" if x is None else format(x, spec)
 
 
-def _case_rows(rec: CaseRecord, unit_scale: float) -> list[str]:
-    case, rows = rec.case, []
+#: Dense bf16 tensor-core peak by the vendor's datasheet (SXM parts), TFLOP/s: the "% of peak" column.
+BF16_PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
+
+
+def bf16_peak(device_name: str) -> float | None:
+    """The datasheet's dense bf16 peak (TFLOP/s) of the GPU ``device_name`` names, ``None`` if unknown."""
+    return next((v for k, v in BF16_PEAK_TFLOPS.items() if k in device_name), None)
+
+
+def _extra(rec: CaseRecord, r: Result, peak: float | None) -> str:
+    """The CUDA table's last column: decoding tokens/s, or the share of the bf16 peak."""
+    if rec.case.level == "decode" and r.time_s is not None:
+        return f"{rec.case.batch * rec.case.lq / r.time_s.median:,.0f} tok/s"
+    if peak and r.gflops:
+        return f"{r.gflops / 1e3 / peak:.0%}"
+    return ""
+
+
+def _case_rows(rec: CaseRecord, unit_scale: float, peak: float | None = None) -> list[str]:
+    case, rows, cuda = rec.case, [], peak is not None
     for label, r in rec.results.items():
         head = f"{case.name} ({case.shape()}, {case.mode}, {case.dtype})" if label == case.subject else ""
         if not r.ok or r.time_s is None:
-            rows.append(f"| {head} | {label} | {r.status} | | | | |")
+            rows.append(f"| {head} | {label} | {r.status} | | | | |" + (" |" if cuda else ""))
             continue
         t = r.time_s.scaled(1e3)
         time_ms = f"{t.median:.3g}" if t.n == 1 else t.words(".3g")
@@ -53,7 +71,7 @@ def _case_rows(rec: CaseRecord, unit_scale: float) -> list[str]:
         of_mm = r.of_matmul.words(".0%") if r.of_matmul else ""
         rows.append(
             f"| {head} | {label} | {time_ms} | {_f((r.gflops or 0) * unit_scale, '.1f')} | {of_mm} | {ratio} "
-            f"| {_f(r.peak_memory_mib, '.0f')} |"
+            f"| {_f(r.peak_memory_mib, '.0f')} |" + (f" {_extra(rec, r, peak)} |" if cuda else "")
         )
     return rows
 
@@ -95,8 +113,19 @@ def markdown(report: Report) -> str:
         f"| case | contender | ms, median [IQR] | {unit} | of matmul [IQR] | time / subject [IQR] | peak MiB |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
+    peak = None
+    if report.device.startswith("cuda"):
+        peak = bf16_peak(report.device_name) or 0.0
+        rates = [r.matmul_gflops.median / 1e3 for r in report.cases if r.matmul_gflops]
+        lines[0] += (
+            f" The yardstick is a ({s['matmul_n']}, {s['matmul_n']}) {s.get('matmul_dtype', 'float32')} "
+            f"matmul: {statistics.median(rates) if rates else float('nan'):.0f} TFLOP/s here. '% of peak': "
+            f"of the datasheet's dense bf16 peak, {peak or 'unknown'} TFLOP/s; decoding cases give tokens/s."
+        )
+        lines[2] += " % of bf16 peak, or tokens/s |"
+        lines[3] += " ---: |"
     for rec in report.cases:
-        lines += _case_rows(rec, scale)
+        lines += _case_rows(rec, scale, peak)
     lines += _sweep_tables(report)
     checks = [(rec.case.name, c) for rec in report.cases for c in rec.checks]
     checks += [("(sweep)", c) for c in report.sweeps]

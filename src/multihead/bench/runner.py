@@ -111,7 +111,11 @@ def measure_case(
                 min_rounds=min(settings.min_rounds, case.rounds),
                 max_rounds=min(settings.max_rounds, case.rounds),
             )
-        yardstick = {"matmul": matmul_step(device, settings.matmul_n)} if case.yardstick else {}
+        yardstick = (
+            {"matmul": matmul_step(device, settings.matmul_n, settings.matmul_dtype)}
+            if case.yardstick
+            else {}
+        )
         times, errors = interleaved(
             {**steps, **yardstick}, device, settings, lambda text: progress.update(0, step=text)
         )

@@ -198,5 +198,8 @@ def check_valid_lens(valid_lens: Tensor, batch: int | None, lq: int | None) -> N
     ok_lq = valid_lens.dim() != 2 or lq is None or valid_lens.shape[1] == lq
     if not (ok_rank and ok_batch and ok_lq):
         raise ValueError(f"valid_lens must have shape {expected}, got {tuple(valid_lens.shape)}")
-    if not is_tracing() and valid_lens.numel() and bool((valid_lens < 0).any()):
+    # values are read on the CPU only: on a GPU the check would make the host wait for the device on every
+    # call (no queueing ahead, no CUDA graphs); there a negative length acts as 0 (a row with no key)
+    on_host = valid_lens.device.type == "cpu"
+    if on_host and not is_tracing() and valid_lens.numel() and bool((valid_lens < 0).any()):
         raise ValueError(f"valid_lens must be >= 0, got minimum {int(valid_lens.min())}")

@@ -389,3 +389,116 @@ def test_cached_decoding_still_backpropagates():
     (g_steps,) = torch.autograd.grad(torch.cat(steps, dim=1).square().sum(), x)
     (g_full,) = torch.autograd.grad(mha(x, causal=True).square().sum(), x)
     torch.testing.assert_close(g_steps, g_full, rtol=0, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------------------------
+# The fixed-shape cache: every step the same shapes, the length on the device
+# ----------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    cuts=st.lists(st.integers(1, 6), min_size=1, max_size=5),
+    rotary=st.booleans(),
+    kv_heads=st.sampled_from([None, 2, 1]),
+    causal=st.booleans(),
+)
+def test_fixed_shape_cache_equals_the_growing_cache(cuts, rotary, kv_heads, causal):
+    """Property: however a sequence is split, steps on KVCache(max_len, fixed_shape=True) give the outputs
+    of the growing cache (float64: the same arithmetic up to the masked positions' exact zeros)."""
+    mha = _mha(heads=4, kv_heads=kv_heads, rotary=rotary, embed=16, dtype=torch.float64)
+    x = torch.randn(2, sum(cuts), 16, dtype=torch.float64)
+    fixed, growing = mh.KVCache(max_len=sum(cuts) + 3, fixed_shape=True), mh.KVCache()
+    start = 0
+    with torch.no_grad():
+        for n in cuts:
+            chunk = x[:, start : start + n]
+            got = mha(chunk, cache=fixed, causal=causal)
+            want = mha(chunk, cache=growing, causal=causal)
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+            start += n
+            assert fixed.keys.shape[2] == len(fixed) == start  # the filled positions, read on the host
+    assert fixed.capacity == sum(cuts) + 3
+
+
+def test_fixed_shape_steps_are_one_compiled_graph():
+    """Every step has the same shapes and touches no Python int: torch.compile(fullgraph=True) compiles
+    the decode step once and replays it for every position (what a CUDA graph needs), matching eager."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    mha = _mha(heads=4, kv_heads=2, rotary=True)
+    x = torch.randn(2, 9, 32)
+    cache, eager_cache = mh.KVCache(max_len=9, fixed_shape=True), mh.KVCache(max_len=9, fixed_shape=True)
+    step = torch.compile(lambda x_t: mha(x_t, cache=cache, causal=True), fullgraph=True)
+    with torch.no_grad():
+        mha(x[:, :3], cache=cache, causal=True)  # prefill, eagerly
+        mha(x[:, :3], cache=eager_cache, causal=True)
+        for t in range(3, 9):
+            got = step(x[:, t : t + 1])
+            want = mha(x[:, t : t + 1], cache=eager_cache, causal=True)
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    torch._dynamo.reset()
+
+
+def test_fixed_shape_cache_with_a_key_padding_mask():
+    """mask= over the storage's max_len positions (left padding) combines with the positions not yet
+    written; the growing cache with the same mask cut to the written length agrees."""
+    mha = _mha(dtype=torch.float64)
+    x = torch.randn(2, 6, 32, dtype=torch.float64)
+    keep = torch.ones(2, 8, dtype=torch.bool)
+    keep[1, :2] = False  # row 1: two padding positions at the start
+    fixed, growing = mh.KVCache(max_len=8, fixed_shape=True), mh.KVCache()
+    with torch.no_grad():
+        for a, b in ((0, 3), (3, 4), (4, 6)):
+            got = mha(x[:, a:b], cache=fixed, causal=True, mask=keep[:, None, None, :])
+            want = mha(x[:, a:b], cache=growing, causal=True, mask=keep[:, None, None, :b])
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_fixed_shape_cache_reset_reorder_and_storage():
+    c = mh.KVCache(max_len=5, fixed_shape=True)
+    k, v = torch.randn(3, 2, 2, 4), torch.randn(3, 2, 2, 4)
+    with torch.no_grad():
+        full_k, _ = c.update(k, v)
+        assert full_k.shape == (3, 2, 5, 4) and len(c) == 2 and torch.equal(c.keys, k)
+        assert full_k[:, :, 2:].abs().max() == 0  # unwritten positions are zeros, never garbage
+        ptr = full_k.data_ptr()
+        c.reorder(torch.tensor([2, 0, 1]))
+        assert c.keys.data_ptr() == ptr and torch.equal(c.keys[0], k[2])  # gathered in place
+        c.reset()
+        assert len(c) == 0 and c.keys is None
+        c.update(k[:1], v[:1])  # a new batch size after reset: new storage
+        assert c.capacity == 5 and len(c) == 2 and torch.equal(c.keys, k[:1])
+
+
+@pytest.mark.parametrize(
+    ("build", "match"),
+    [
+        (lambda: mh.KVCache(fixed_shape=True), r"fixed_shape=True needs max_len"),
+        (lambda: mh.KVCache(static=True, max_len=4, fixed_shape=True), r"static=False"),
+    ],
+)
+def test_fixed_shape_cache_needs_max_len(build, match):
+    with pytest.raises(ValueError, match=match):
+        build()
+
+
+def test_fixed_shape_cache_errors():
+    mha = _mha()
+    x = torch.randn(2, 3, 32)
+    c = mh.KVCache(max_len=4, fixed_shape=True)
+    with pytest.raises(ValueError, match="keeps no gradients"):
+        mha(x, cache=c, causal=True)  # grad enabled, parameters require grad
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="not valid_lens or segment_ids"):
+            mha(x, cache=c, causal=True, valid_lens=torch.tensor([3, 2]))
+        mha(x, cache=c, causal=True)
+        with pytest.raises(
+            ValueError, match=r"full: max_len=4 positions and this step would write position 4"
+        ):
+            mha(x[:, :2], cache=c, causal=True)
+        with pytest.raises(ValueError, match="keeps its batch size 2"):
+            c.reorder(torch.tensor([0, 1, 1]))

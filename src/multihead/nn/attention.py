@@ -332,7 +332,9 @@ class MultiHeadAttention(nn.Module):
 
         seam.check_positions(self, self.attention_fn, rotary=self.rotary is not None, cache=cache is not None)
         q, k, v = self.project(query, key, value)  # (B, H, Lq, Dk), (B, Hkv, Lk, Dk), (B, Hkv, Lk, Dv)
-        if cache is not None or self.rotary is not None:
+        if cache is not None and cache.fixed_shape:  # the storage's unwritten positions hidden here
+            q, k, v, valid_lens, causal = self._fixed_cache(q, k, v, cache, causal, valid_lens, segment_ids)
+        elif cache is not None or self.rotary is not None:
             q, k, v = self._rotate_and_cache(q, k, v, cache, segment_ids)
         softcap, sinks, dropout = self.softcap, self.sinks, self.dropout if self.training else 0.0
         plain = mask is None and bias is None and valid_lens is None and segment_ids is None
@@ -392,6 +394,43 @@ class MultiHeadAttention(nn.Module):
         if self.rotary is not None:
             q = self.rotary(q, offset=k.shape[2] - q.shape[2])  # (B, H, Lq, Dk)
         return q, k, v
+
+    def _fixed_cache(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        cache: KVCache,
+        causal: bool,
+        valid_lens: Tensor | None,
+        segment_ids: object,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, bool]:
+        """A step on a fixed-shape cache: the new keys/values written at positions held on the device,
+        attention over the whole storage with the positions each query may see as ``valid_lens``.
+
+        The new tokens sit at positions p_i = P + i (P written before; queries and keys rotate by them);
+        with ``causal`` query i sees keys 0..p_i (``valid_lens`` (B, Lq) = p_i + 1), else every key written.
+        Returns q (B, H, Lq, Dk), k (B, Hkv, max_len, Dk), v (B, Hkv, max_len, Dv), valid_lens, causal=False.
+        """
+        if valid_lens is not None or segment_ids is not None:
+            raise ValueError(
+                "a fixed_shape KVCache masks the positions not yet written through valid_lens itself: "
+                "pass mask= (broadcasting to (B, H, Lq, max_len)) for anything more, not valid_lens or "
+                "segment_ids"
+            )
+        b, lq = q.shape[0], q.shape[2]
+        if k.shape[2] != lq:
+            raise ValueError(
+                f"a fixed_shape KVCache serves self-attention steps: the query's {lq} positions are the new "
+                f"keys' positions, got {k.shape[2]} new keys"
+            )
+        at = cache.next_positions(lq, q.device)  # (Lq,) absolute positions of the new tokens
+        if self.rotary is not None:
+            q = self.rotary(q, positions=at.expand(b, lq))  # (B, H, Lq, Dk)
+            k = self.rotary(k, positions=at.expand(b, lq))  # (B, Hkv, Lq, Dk)
+        k, v = cache.update(k, v)  # (B, Hkv, max_len, Dk), (B, Hkv, max_len, Dv)
+        seen = (at + 1) if causal else (at[-1:] + 1).expand(lq)  # (Lq,) keys each query sees
+        return q, k, v, seen.expand(b, lq), False
 
     # ------------------------------------------------------------------------------------------
     # torch.nn.MultiheadAttention interop

@@ -10,6 +10,11 @@ One class serves every level of a model:
   first L positions, a view. The storage grows geometrically (capacity doubles when full), so a token
   costs amortised O(1) copies instead of a copy of the whole cache; with ``max_len`` it is allocated once
   at that size (static shapes for ``torch.compile`` and export) and a step past it raises;
+* a **fixed-shape** cache (``fixed_shape=True``, with ``max_len``) is a dynamic cache whose every step has
+  the same shapes: an update writes at positions kept in a device tensor and returns the whole storage
+  (B, Hkv, max_len, D), and the attention hides the positions not yet written. Nothing is read on the
+  host, so a decoding step can be captured once in a CUDA graph (``torch.compile(mode="reduce-overhead")``)
+  and replayed for every token;
 * a **static** cache (``static=True``) belongs to a cross-attention: the keys/values of the source are
   computed on the first call and reused unchanged on every later step;
 * a cache may also hold named **children** (:meth:`child`): a decoder stack keeps one child per layer,
@@ -29,7 +34,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from ..core.checks import positive_int
+from ..core.checks import is_tracing, positive_int
 
 __all__ = ["KVCache"]
 
@@ -49,6 +54,13 @@ class KVCache:
             (B, Hkv, max_len, D) is allocated once, at the first :meth:`update`, and an update past it
             raises a ``ValueError``. ``None`` (default): the storage starts at max(Lnew, 16) positions
             and doubles whenever it is full. Dynamic children (:meth:`child`) inherit it.
+        fixed_shape: with ``max_len``, every :meth:`update` returns the whole storage (B, Hkv, max_len, D)
+            and the filled length stays on the storage's device (:meth:`next_positions`); a
+            :class:`~multihead.MultiHeadAttention` then masks the positions not yet written itself. Every
+            step has the same shapes and reads nothing on the host: it can be captured in a CUDA graph.
+            For decoding (no gradients). ``len(cache)`` reads the length on the host (a synchronisation on
+            a GPU), and on a GPU a step past ``max_len`` is not checked (the check would read it too).
+            Dynamic children inherit it.
 
     Use::
 
@@ -60,9 +72,19 @@ class KVCache:
     Call :meth:`reset` (or make a new cache) before decoding another batch.
     """
 
-    def __init__(self, *, static: bool = False, max_len: int | None = None) -> None:
+    def __init__(
+        self, *, static: bool = False, max_len: int | None = None, fixed_shape: bool = False
+    ) -> None:
         self.static = bool(static)
         self.max_len = None if max_len is None else positive_int("max_len", max_len)
+        self.fixed_shape = bool(fixed_shape)
+        if self.fixed_shape and (self.static or self.max_len is None):
+            raise ValueError(
+                f"fixed_shape=True needs max_len (the positions every step attends over) and static=False; "
+                f"got max_len={max_len!r}, static={static!r}: build KVCache(max_len=N, fixed_shape=True)"
+            )
+        self._pos: Tensor | None = None  # fixed shape: (1,) int64, positions written, on the storage's device
+        self._fresh = True  # fixed shape: no step since construction or reset() (the storage may change)
         # Dynamic: storage (B, Hkv, C, Dk) / (B, Hkv, C, Dv), positions [0, _len) are cached.
         # Static: the source's keys/values themselves, _len = their length.
         self._k: Tensor | None = None
@@ -75,16 +97,16 @@ class KVCache:
     @property
     def keys(self) -> Tensor | None:
         """Cached keys (B, Hkv, L, Dk) -- a view of the storage --, or ``None`` while empty."""
-        if self._k is None or (not self.static and self._len == 0):
+        if self._k is None or (not self.static and len(self) == 0):
             return None
-        return self._k if self.static else self._k.narrow(2, 0, self._len)  # (B, Hkv, L, Dk)
+        return self._k if self.static else self._k.narrow(2, 0, len(self))  # (B, Hkv, L, Dk)
 
     @property
     def values(self) -> Tensor | None:
         """Cached values (B, Hkv, L, Dv) -- a view of the storage --, or ``None`` while empty."""
-        if self._v is None or (not self.static and self._len == 0):
+        if self._v is None or (not self.static and len(self) == 0):
             return None
-        return self._v if self.static else self._v.narrow(2, 0, self._len)  # (B, Hkv, L, Dv)
+        return self._v if self.static else self._v.narrow(2, 0, len(self))  # (B, Hkv, L, Dv)
 
     @property
     def capacity(self) -> int:
@@ -103,7 +125,7 @@ class KVCache:
         needs); 0 while empty.
         """
         if self._k is not None:
-            return self._len
+            return int(self._pos) if self._pos is not None else self._len  # fixed shape: read on the host
         for c in self._children.values():
             if not c.static and not c.is_empty:
                 return len(c)
@@ -134,7 +156,10 @@ class KVCache:
         if c is None:
             if self._k is not None:
                 raise ValueError("this KVCache holds keys/values itself; it cannot also hold child caches")
-            c = self._children[name] = type(self)(static=static, max_len=None if static else self.max_len)
+            fixed = {"fixed_shape": True} if self.fixed_shape and not static else {}
+            c = self._children[name] = type(self)(
+                static=static, max_len=None if static else self.max_len, **fixed
+            )
         elif c.static != bool(static):
             raise ValueError(
                 f"child cache {name!r} was created with static={c.static}, now requested with "
@@ -168,6 +193,8 @@ class KVCache:
                 )
             self._k, self._v, self._len = k, v, k.shape[2]
             return k, v
+        if self.fixed_shape:
+            return self._write_fixed(k, v)
         start, new = self._len, k.shape[2]
         if start == 0:
             self._allocate_for(k, v)
@@ -190,6 +217,44 @@ class KVCache:
         ov.narrow(2, start, new).copy_(v)
         self._len = end
         return ok.narrow(2, 0, end), ov.narrow(2, 0, end)  # (B, Hkv, L + Lnew, Dk), (B, Hkv, L + Lnew, Dv)
+
+    def next_positions(self, new: int, device: torch.device) -> Tensor:
+        """Fixed shape: the absolute positions (Lnew,) int64, on ``device``, that the next :meth:`update` of
+        ``new`` positions writes -- computed on the device, never read on the host."""
+        if not self.fixed_shape:
+            raise ValueError("next_positions belongs to a KVCache(max_len=N, fixed_shape=True)")
+        if self._pos is None or self._pos.device != torch.device(device):
+            self._pos = torch.zeros(1, dtype=torch.int64, device=device)  # (1,)
+            _static_address(self._pos)
+        return self._pos + torch.arange(new, device=device)  # (Lnew,)
+
+    def _write_fixed(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Fixed shape: write k/v (B, Hkv, Lnew, D) at :meth:`next_positions`, in place; return the whole
+        storage (B, Hkv, max_len, Dk), (B, Hkv, max_len, Dv)."""
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+            raise ValueError(
+                "a fixed_shape KVCache is for decoding and keeps no gradients; run the steps under "
+                "torch.no_grad(), or use KVCache(max_len=N) for differentiable steps"
+            )
+        new, cap = k.shape[2], self.max_len
+        assert cap is not None
+        at = self.next_positions(new, k.device)  # (Lnew,)
+        if self._k is None or self._fresh:  # the first step since construction or reset()
+            self._allocate_for(k, v)
+            self._fresh = False
+        else:
+            self._check_step(k, v)
+        if new > cap or (new and k.device.type == "cpu" and not is_tracing() and int(at[-1]) >= cap):
+            raise ValueError(
+                f"this KVCache is full: max_len={cap} positions and this step would write position "
+                f"{int(at[-1]) if new else 0}; build it with a larger max_len, or call cache.reset()"
+            )
+        ok, ov = self._k, self._v
+        assert ok is not None and ov is not None and self._pos is not None
+        ok.index_copy_(2, at, k)
+        ov.index_copy_(2, at, v)
+        self._pos.add_(new)
+        return ok, ov  # (B, Hkv, max_len, Dk), (B, Hkv, max_len, Dv)
 
     def _check_step(self, k: Tensor, v: Tensor) -> None:
         """New keys/values must continue the cached ones: same B, Hkv, head dims, dtype and device."""
@@ -223,6 +288,12 @@ class KVCache:
             return
         cap = self.max_len if self.max_len is not None else max(k.shape[2], MIN_CAPACITY)
         b, hkv = k.shape[:2]
+        if self.fixed_shape:  # the attention reads every position: zeros, never garbage (0 * NaN = NaN)
+            self._k = k.new_zeros(b, hkv, cap, k.shape[3])  # (B, Hkv, max_len, Dk)
+            self._v = v.new_zeros(b, hkv, cap, v.shape[3])  # (B, Hkv, max_len, Dv)
+            _static_address(self._k)
+            _static_address(self._v)
+            return
         self._k = k.new_empty(b, hkv, cap, k.shape[3])  # (B, Hkv, C, Dk)
         self._v = v.new_empty(b, hkv, cap, v.shape[3])  # (B, Hkv, C, Dv)
 
@@ -264,7 +335,15 @@ class KVCache:
         ok, ov = self._k, self._v
         if ok is not None and ov is not None and (include_static or not self.static):
             idx = indices.to(ok.device)
-            if self.static or ok.requires_grad:  # new tensors: never rewrite what autograd may have saved
+            if self.fixed_shape:  # the same storage, rows gathered in place: its address stays
+                if idx.shape[0] != ok.shape[0]:
+                    raise ValueError(
+                        f"a fixed_shape KVCache keeps its batch size {ok.shape[0]}; got {idx.shape[0]} "
+                        f"indices: reorder within the batch, or build a new cache"
+                    )
+                ok.copy_(ok.index_select(0, idx))
+                ov.copy_(ov.index_select(0, idx))
+            elif self.static or ok.requires_grad:  # new tensors: never rewrite what autograd may have saved
                 n = ok.shape[2] if self.static else self._len
                 self._k = ok[:, :, :n].index_select(0, idx)  # (B', Hkv, L, Dk)
                 self._v = ov[:, :, :n].index_select(0, idx)  # (B', Hkv, L, Dv)
@@ -286,8 +365,18 @@ class KVCache:
         A dynamic cache keeps its storage: the next batch of the same (B, Hkv, D, dtype, device) reuses
         it without allocating. A static cache drops its source's keys/values.
         """
-        self._len = 0
+        self._len, self._fresh = 0, True
+        if self._pos is not None:
+            self._pos.zero_()  # in place: a captured graph keeps reading the same tensor
         if self.static:
             self._k = self._v = None
         for c in self._children.values():
             c.reset()
+
+
+def _static_address(t: Tensor) -> None:
+    """Tell ``torch.compile`` that ``t`` keeps its address across calls, so that a CUDA graph may write it
+    in place (mode="reduce-overhead"), as it does a module's buffers."""
+    mark = getattr(getattr(torch, "_dynamo", None), "mark_static_address", None)
+    if mark is not None:
+        mark(t)

@@ -370,5 +370,11 @@ def cuda_suite(quick: bool = False) -> Suite:
     """The CUDA cases: the (L, D, causal, mode) grid of attention and of the module against SDPA's
     backends, masks through block skipping, and decoding steps, all in bf16."""
     decode, sweep = _decode_cases(quick)
-    decode = [replace(c, dtype="bfloat16") for c in decode]
+    graphed = {DECODE_LENGTHS[0], DECODE_LENGTHS[2], DECODE_LENGTHS[-1]}  # a compile each: three lengths
+    decode = [
+        replace(
+            c, dtype="bfloat16", runs=c.runs + ((row("graphed"),) if quick or c.length in graphed else ())
+        )
+        for c in decode
+    ]
     return Suite([*_cuda_grid(quick), *_cuda_masks(quick), *decode], [sweep])

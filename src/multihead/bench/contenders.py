@@ -17,6 +17,8 @@ step puts its cache back to the case's length there). Contenders (:data:`CONTEND
   level the same fused QKV and output projections as the module around it;
 * ``flex``: ``torch.compile(flex_attention)`` with the mask case's BlockMask built once (or, with
   ``mask_form="rebuilt"``, on every call);
+* ``graphed``: the same decoding steps on a ``KVCache(fixed_shape=True)``, compiled with
+  ``mode="reduce-overhead"`` (a CUDA graph on a GPU);
 * ``bare``: the bare work of a decoding step: QKV projection of the new token, its keys/values written
   into one preallocated buffer, fused attention over the buffer, output projection;
 * ``ring``: :func:`multihead.distributed.ring_attention` (needs a process group: the case runs in its
@@ -432,6 +434,28 @@ def _ours_decode(case: Case, device: torch.device) -> Step:
     return Step(step, refill)
 
 
+def _graphed_decode(case: Case, device: torch.device) -> Step:
+    """The same steps on a ``KVCache(fixed_shape=True)``, the step compiled with ``mode="reduce-overhead"``
+    (on CUDA: recorded once in a CUDA graph and replayed for every token)."""
+    mod, x, k0, v0 = _decode_inputs(case, device)
+    cache = KVCache(max_len=case.length + case.steps * case.lq, fixed_shape=True)
+    torch._dynamo.reset()
+    run = torch.compile(lambda x_t: mod(x_t, cache=cache, causal=case.causal), mode="reduce-overhead")
+
+    def refill() -> None:
+        cache.reset()
+        with torch.no_grad():
+            cache.update(k0, v0)  # (B, Hkv, L, D) written at positions 0..L-1
+
+    def step() -> Tensor:
+        with torch.no_grad():
+            for _ in range(case.steps):
+                out = run(x)  # (B, Lq, E)
+        return out
+
+    return Step(step, refill)
+
+
 def _bare_decode(case: Case, device: torch.device) -> Step:
     """The same steps' unavoidable work: the projections, a write into a buffer, fused attention."""
     mod, x, k0, v0 = _decode_inputs(case, device)
@@ -481,5 +505,6 @@ CONTENDERS: dict[tuple[str, str], Contender] = {
     ("padded", "attention"): Contender(_padded_attention, _never),
     ("multihead", "decode"): Contender(_ours_decode, _never),
     ("bare", "decode"): Contender(_bare_decode, _never),
+    ("graphed", "decode"): Contender(_graphed_decode, _never),
 }
 """(contender name, case level) -> how to build its step; the names rows of a case refer to."""

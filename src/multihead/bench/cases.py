@@ -329,8 +329,8 @@ def _cuda_grid(quick: bool) -> list[Case]:
                 for n in lengths:
                     for mode in ("forward", "train"):
                         peers = _sdpa_rows()
-                        if level == "module":
-                            peers += (row("torch"),)
+                        if level == "module":  # and the module held to cuDNN's kernel: its own overhead
+                            peers += (row(OURS, sdpa_backend="cudnn"), row("torch"))
                         elif n == lengths[1] and d == 128:
                             peers += (row("flex"),)
                         what = f"{level} L={n} D={d}{' causal' if causal else ''} {mode}"

@@ -168,7 +168,12 @@ def _ours_module(case: Case, device: torch.device) -> Step:
     x = _module_input(case, device)
     mod = MultiHeadAttention(case.embed_dim, case.heads, kv_heads=case.kv_heads, **_factory(case, device))  # type: ignore[arg-type]
     weights = case.mode == "weights"
-    return _module(mod, case, x, lambda: mod(x, causal=case.causal, return_weights=weights))
+
+    def forward() -> object:
+        with _sdpa_backend(case):  # torch's choice of SDPA kernel, or the one the case names
+            return mod(x, causal=case.causal, return_weights=weights)
+
+    return _module(mod, case, x, forward)
 
 
 def _torch_module(case: Case, device: torch.device) -> Step:

@@ -6,7 +6,7 @@
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/bench
-deadline=$(( $(date +%s) + ${BUDGET_S:-540} ))
+deadline=$(( $(date +%s) + ${BUDGET_S:-560} ))
 left() { echo $(( deadline - $(date +%s) )); }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD/src || exit 1
@@ -18,7 +18,7 @@ cat "$OUT/env.txt"
 opts=""  # xdist and pytest-timeout where the image has them (it should: KINDS.md lists both)
 python3 -c "import xdist" 2>/dev/null && opts="$opts -n 12"
 python3 -c "import pytest_timeout" 2>/dev/null && opts="$opts --timeout 150"
-TORCHINDUCTOR_COMPILE_THREADS=1 timeout ${TESTS_S:-230} python3 -m pytest -p no:cacheprovider $opts -v -rfE \
+TORCHINDUCTOR_COMPILE_THREADS=1 timeout ${TESTS_S:-210} python3 -m pytest -p no:cacheprovider $opts -v -rfE \
   tests/test_cuda.py tests/test_cuda_models.py --junitxml="$OUT/junit.xml" > "$OUT/tests.log" 2>&1
 echo "tests rc=$? $(grep -cE ' PASSED ' "$OUT/tests.log") passed, $(grep -cE ' FAILED |ERROR ' "$OUT/tests.log") failed/errors, $(left) s left"
 grep -E "^(FAILED|ERROR) " "$OUT/tests.log" | head -40

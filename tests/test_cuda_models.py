@@ -409,8 +409,8 @@ def test_importance_on_device_equals_float64_on_cpu():
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_block_mask_input_equals_the_dense_mask_and_flex_attention(dtype):
     """A causal window of 40 as torch's BlockMask (built on DEV) passed as mask=: within the 2x rule of
-    attention_reference with the same dense mask; torch's flex_attention (compiled on CUDA, eager on
-    the CPU) on the same BlockMask within the same bound."""
+    attention_reference with the same dense mask, and equal to torch's flex_attention on the same
+    BlockMask (compiled on CUDA in bf16, eager otherwise) within torch's default tolerances."""
     from torch.nn.attention import flex_attention as flex
 
     b, h, n, d = 2, 4, 256, 32
@@ -426,11 +426,11 @@ def test_block_mask_input_equals_the_dense_mask_and_flex_attention(dtype):
         lambda q_, k_, v_, mask: mh.attention(q_, k_, v_, mask=bm), q, k, v, mask=dense
     )
     assert report.ok, report
-    flex_fn = torch.compile(flex.flex_attention) if DEV.type == "cuda" else flex.flex_attention
+    compiled = DEV.type == "cuda" and dtype == torch.bfloat16  # one Triton compile keeps the file fast
+    flex_fn = torch.compile(flex.flex_attention) if compiled else flex.flex_attention
     theirs = flex_fn(q, k, v, block_mask=bm)
-    gold = mh.attention_reference(q.double(), k.double(), v.double(), mask=dense)
-    fe = _err(theirs, gold)
-    assert fe <= report.allowed(report.reference), f"flex_attention: {fe:.3g} vs {report}"
+    ours = mh.attention(q, k, v, mask=bm)
+    torch.testing.assert_close(ours, theirs)  # torch's own tolerances for the dtype
 
 
 # ------------------------------------------------------------------------------------------------
@@ -607,6 +607,7 @@ def test_fixed_buffer_decode_step_replays_in_a_cuda_graph():
     def step():
         return mh.attention(q, k, v, valid_lens=lens)
 
+    _without_sync(step, "fixed-buffer decode step")  # a sync would break the capture (and the CUDA context)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -630,6 +631,7 @@ def test_reduce_overhead_decode_step_uses_cuda_graphs():
     """The same step compiled with mode="reduce-overhead": inductor records it in a CUDA graph (no
     cudagraph skip counted) and every call equals eager within the 2x rule against the reference."""
     q, k, v, lens = _decode_buffers()
+    _without_sync(lambda: mh.attention(q, k, v, valid_lens=lens), "fixed-buffer decode step")
     compiled = torch.compile(
         lambda q_, k_, v_, l_: mh.attention(q_, k_, v_, valid_lens=l_), mode="reduce-overhead"
     )

@@ -518,13 +518,16 @@ def _without_sync(fn, what):
     try:
         fn()
     except RuntimeError as exc:
+        stack = traceback.extract_tb(exc.__traceback__)
         frames = [
             f"{os.path.relpath(f.filename, os.path.dirname(_SRC))}:{f.lineno} ({f.name}: {f.line})"
-            for f in traceback.extract_tb(exc.__traceback__)
+            for f in stack
             if f.filename.startswith(_SRC)
         ]
+        last = f"{stack[-1].filename}:{stack[-1].lineno} ({stack[-1].name})" if stack else "?"
         pytest.fail(
-            f"{what}: host synchronisation: {exc}\nmultihead frames, outermost first:\n" + "\n".join(frames)
+            f'{what} raised under set_sync_debug_mode("error") (a host synchronisation): {exc}\n'
+            "multihead frames, outermost first:\n" + "\n".join(frames) + f"\ninnermost frame: {last}"
         )
     finally:
         torch.cuda.set_sync_debug_mode(0)

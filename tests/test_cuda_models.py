@@ -45,12 +45,10 @@ PAD, BOS, EOS = 0, 1, 2
 _SRC = os.path.dirname(mh.__file__)
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
+def _fresh_compiler() -> None:
+    """Compile from a clean slate: no earlier test's graphs, guards or counters."""
     torch._dynamo.reset()
     counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -195,6 +193,7 @@ def test_generate_on_device_is_greedy_or_beam_under_float64(beam_size):
 def test_compiled_module_forward_equals_eager(dtype):
     """The module compiled whole (inductor: Triton on CUDA) with causal and valid_lens, within the 2x rule
     of its eager run's own error against float64."""
+    _fresh_compiler()
     model = _mha()
     x = _randn(2, 16, 32, dtype=torch.float64, seed=2)
     lens = torch.tensor([16, 9], device=DEV)
@@ -210,6 +209,7 @@ def test_compiled_module_forward_equals_eager(dtype):
 def test_compiled_decode_step_equals_eager():
     """One-token steps on a KVCache(max_len=...) compiled with fullgraph=True (inductor), against eager
     steps on their own cache: within the 2x rule against the float64 steps."""
+    _fresh_compiler()
     model = _mha(rotary=True)
     x = _randn(2, 12, 32, dtype=torch.float64, seed=3)
     eager, gold_model = _twin(model, torch.float32), _twin(model, torch.float64)
@@ -413,6 +413,7 @@ def test_block_mask_input_equals_the_dense_mask_and_flex_attention(dtype):
     on CUDA in bf16, eager otherwise) within the same bound, so the two agree within twice it."""
     from torch.nn.attention import flex_attention as flex
 
+    _fresh_compiler()
     b, h, n, d = 2, 4, 256, 32
 
     def window(bi, hi, qi, ki):
@@ -638,6 +639,7 @@ def test_reduce_overhead_decode_step_uses_cuda_graphs():
     cudagraph skip counted) and every call equals eager within the 2x rule against the reference."""
     q, k, v, lens = _decode_buffers()
     _without_sync(lambda: mh.attention(q, k, v, valid_lens=lens), "fixed-buffer decode step")
+    _fresh_compiler()
     compiled = torch.compile(
         lambda q_, k_, v_, l_: mh.attention(q_, k_, v_, valid_lens=l_), mode="reduce-overhead"
     )

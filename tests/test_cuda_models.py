@@ -29,7 +29,7 @@ from torch._dynamo.utils import counters
 import multihead as mh
 from multihead import distributed as mhd
 from multihead import heads, viz
-from multihead.testing import allowed_error, compare_to_reference
+from multihead.testing import allowed_error, compare_to_reference, merge_floor
 
 DEV = torch.device(os.environ.get("MULTIHEAD_TEST_DEVICE", "cuda"))
 pytestmark = pytest.mark.skipif(
@@ -60,11 +60,12 @@ def _err(a: torch.Tensor, gold: torch.Tensor) -> float:
     return float((a.double() - gold.double()).abs().max()) if a.numel() else 0.0
 
 
-def _within(fast, ref, gold, dtype, what):
-    """|fast - gold| <= allowed_error(|ref - gold|, dtype): the 2x rule for one tensor."""
+def _within(fast, ref, gold, dtype, what, extra=0.0):
+    """|fast - gold| <= allowed_error(|ref - gold|, dtype) (+ ``extra``): the 2x rule for one tensor."""
     fe, re = _err(fast, gold), _err(ref, gold)
     assert torch.isfinite(fast).all(), f"{what}: not finite"
-    assert fe <= allowed_error(re, dtype), f"{what}: |fast - gold| = {fe:.3g}, reference's own error {re:.3g}"
+    allowed = allowed_error(re, dtype) + extra
+    assert fe <= allowed, f"{what}: |fast - gold| = {fe:.3g} > {allowed:.3g} (reference's own error {re:.3g})"
 
 
 def _twin(model: nn.Module, dtype: torch.dtype, device=DEV, backend: str | None = None) -> nn.Module:
@@ -466,6 +467,8 @@ def _cp_run(model, x, gy, keep, ids, strategy=None):
         (y * gy).sum().backward()
     else:
         with mhd.context_parallel(model, strategy=strategy) as cp:
+            installed = {type(b.attention_fn).__name__ for b in model.blocks}
+            assert installed == {f"{strategy.capitalize()}Attention"}, installed  # the strategy does run
             part = cp.shard({"x": xr, "gy": gy, "keep": keep, "ids": ids})
             y = model(part["x"], mask=mh.masks.key_padding(part["keep"]), segment_ids=part["ids"])
             (y * part["gy"]).sum().backward()
@@ -489,8 +492,9 @@ def test_context_parallel_at_one_rank_equals_one_process(one_rank_group, strateg
     ref = _cp_run(_twin(base, torch.float32, backend="math"), x64.float(), gy64.float(), keep, ids)
     gold = _cp_run(_twin(base, torch.float64), x64, gy64, keep, ids)
     assert all(b.attention_fn is mh.attention for b in model.blocks)  # restored on leaving the block
-    for name in gold:
-        _within(got[name], ref[name], gold[name], torch.float32, f"{strategy}: {name}")
+    for name in gold:  # one part at one rank: merge_floor's 2 ulps of the flash backward formula
+        extra = merge_floor(torch.float32, float(gold[name].abs().max()), 1)
+        _within(got[name], ref[name], gold[name], torch.float32, f"{strategy}: {name}", extra)
 
 
 @pytest.mark.parametrize("fn", ["ring_attention", "ulysses_attention"])

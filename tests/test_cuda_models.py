@@ -190,10 +190,11 @@ def test_generate_on_device_is_greedy_or_beam_under_float64(beam_size):
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_compiled_module_forward_equals_eager(dtype):
-    """The module compiled whole (inductor: Triton on CUDA) with causal and valid_lens, within the 2x rule
-    of its eager run's own error against float64."""
+def test_compiled_module_forward_equals_eager():
+    """The module compiled whole (inductor: Triton on CUDA) in bf16 (the fused kernels' dtype, under the
+    sdpa_kernel priority context) with causal and valid_lens, within the 2x rule of its eager run's own
+    error against float64. One dtype: each compile costs seconds (the decode step below runs float32)."""
+    dtype = torch.bfloat16
     _fresh_compiler()
     model = _mha()
     x = _randn(2, 16, 32, dtype=torch.float64, seed=2)

@@ -184,6 +184,49 @@ def test_full_blocks_take_no_mask_and_unlisted_blocks_are_never_attended():
             torch.testing.assert_close(mh.attention(q, k, v, mask=bm, backend=backend), want)
 
 
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("batch, heads", [(None, None), (2, None), (2, 2)])
+def test_flex_takes_the_users_block_mask_as_it_is(batch, heads, monkeypatch):
+    """The flex backend hands the BlockMask given as mask= straight to flex_attention (no second
+    create_block_mask over its function), and the result is the BlockMask's meaning; with more to mask
+    (causal) it builds its own. Eager FlexAttention on the CPU runs the non-CPU code path."""
+    from multihead.core.backends.flex import FlexBackend
+
+    def mod(b, h, q, kv):
+        return ((q - kv).abs() < 40 + 20 * h) | (kv < 5 + b)
+
+    n, gen = 200, torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, n, 16, generator=gen) for _ in range(3))
+    bm = flex.create_block_mask(mod, batch, heads, n, n, device="cpu", BLOCK_SIZE=64)
+    built = []
+    real = flex.create_block_mask
+    monkeypatch.setattr(flex, "create_block_mask", lambda *a, **kw: built.append(a) or real(*a, **kw))
+    backend = FlexBackend(compiled=False)
+    with torch.no_grad():
+        got, _ = backend(prepare(q, k, v, mask=bm))
+        assert built == []  # the user's own BlockMask served the call
+        causal, _ = backend(prepare(q, k, v, mask=bm, causal=True))
+        assert len(built) == 1  # causal on top: a block mask of its own
+    keep = _block_semantics(bm, 2, 2, n, n)
+    want = mh.attention_reference(q.double(), k.double(), v.double(), mask=keep)
+    torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=2e-5)
+    want_causal = mh.attention_reference(q.double(), k.double(), v.double(), mask=keep, causal=True)
+    torch.testing.assert_close(causal.double(), want_causal, atol=2e-6, rtol=2e-5)
+
+
+def test_a_block_mask_is_converted_once_per_call_shape():
+    """Every layer of every call passes the same BlockMask: it is read (host copies, a probe) once."""
+    from multihead.core.masks.blocks import _FROM_FLEX_SIZE, from_flex
+
+    bm = flex.create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 128, 128, device="cpu")
+    first = from_flex(bm, (1, 2, 128, 128))
+    assert from_flex(bm, (1, 2, 128, 128)) is first and from_flex(bm, (2, 2, 128, 128)) is not first
+    others = [flex.create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 64, 64) for _ in range(8)]
+    for o in others[:_FROM_FLEX_SIZE]:
+        from_flex(o, (1, 1, 64, 64))
+    assert from_flex(bm, (1, 2, 128, 128)) is not first  # the oldest left the bounded cache
+
+
 def test_a_block_mask_for_other_lengths_is_refused_saying_how_to_build_it():
     bm = flex.create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 128, 128, device="cpu")
     q = k = v = torch.randn(1, 1, 100, 8)

@@ -138,8 +138,8 @@ class FlexBackend:
             per_b = True
         if m.causal:  # dense mode: Lq == Lk; function mode: any lengths; bottom-right either way
             parts.append(causal_fn(lq, lk))
-        block_mask = None
-        if parts:
+        block_mask = _as_given(m.mask_fn, parts, b, h, lq, lk)  # the user's own BlockMask, where it serves
+        if parts and block_mask is None:
             mask_mod = and_masks(*parts)
             block_mask = flex.create_block_mask(  # type: ignore[attr-defined]
                 lambda bi, hi, i, j: mask_mod(bi, hi, i, j), b if per_b else None, h if per_h else None,
@@ -165,6 +165,18 @@ class FlexBackend:
             lse = torch.where(torch.isneginf(lse), sink, lse)  # a row with no key: out is 0 already
             out = out * torch.sigmoid(lse - sink).unsqueeze(-1).to(out.dtype)  # (B, H, Lq, Dv)
         return zero_dead_rows(out, m.row_ok), None
+
+
+def _as_given(mask_fn: object, parts: list[MaskFn], b: int, h: int, lq: int, lk: int) -> object | None:
+    """The FlexAttention ``BlockMask`` the user passed as ``mask=``, when it is the call's whole mask and
+    fits it ((B|1, H|1) rows, (Lq, Lk) lengths): flex_attention takes it as it is, without building
+    another from its function."""
+    source = getattr(mask_fn, "source", None)
+    if source is None or parts != [mask_fn]:
+        return None
+    mb, mh = source.kv_num_blocks.shape[:2]  # type: ignore[attr-defined]
+    fits = tuple(int(n) for n in source.seq_lengths) == (lq, lk)  # type: ignore[attr-defined]
+    return source if fits and mb in (1, b) and mh in (1, h) else None
 
 
 def _needs_grad(call: AttentionCall) -> bool:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..checks import is_int
+from ..checks import is_int, is_tracing
 from .dense import index_grid
 from .evaluate import call_fn, how_to_call
 from .functions import MaskFn, MaskFunction, check_callable, fn_name
@@ -109,11 +109,31 @@ def is_flex_block_mask(x: object) -> bool:
     return cls.__name__ == "BlockMask" and cls.__module__.startswith("torch.nn.attention.flex_attention")
 
 
+#: The last BlockMasks converted, (id, target) -> (the BlockMask, its conversion): a BlockMask is built once
+#: and passed to every layer of every call, so converting it once spares each later call the host copies
+#: (a synchronisation on a GPU) and the probe of a new function. Bounded: it keeps 8 BlockMasks alive.
+_FROM_FLEX: dict[tuple[int, tuple[int, int, int, int]], tuple[object, BlockMaskFunction]] = {}
+_FROM_FLEX_SIZE = 8
+
+
 def from_flex(block_mask: object, target: tuple[int, int, int, int]) -> BlockMaskFunction:
     """A FlexAttention ``BlockMask`` as a mask function with its block structure, for the call ``target``
     (B, H, Lq, Lk): query ``i`` of row ``b``, head ``h`` sees key ``j`` when ``(i, j)`` lies in a block the
     mask lists as full, or in one it lists as partial and ``mask_mod(b, h, i, j)`` is true -- what
-    ``flex_attention(..., block_mask=block_mask)`` computes."""
+    ``flex_attention(..., block_mask=block_mask)`` computes. Converted once per BlockMask and call shape
+    (the last few are kept), outside tracing."""
+    if is_tracing():
+        return _from_flex(block_mask, target)
+    key = (id(block_mask), target)
+    hit = _FROM_FLEX.pop(key, None)  # popped and put back: the most recent last
+    fn = _from_flex(block_mask, target) if hit is None or hit[0] is not block_mask else hit[1]
+    _FROM_FLEX[key] = (block_mask, fn)
+    while len(_FROM_FLEX) > _FROM_FLEX_SIZE:
+        del _FROM_FLEX[next(iter(_FROM_FLEX))]
+    return fn
+
+
+def _from_flex(block_mask: object, target: tuple[int, int, int, int]) -> BlockMaskFunction:
     bm = block_mask
     b, h, lq, lk = target
     bq, bk = (int(s) for s in bm.BLOCK_SIZE)  # type: ignore[attr-defined]

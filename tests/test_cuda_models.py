@@ -609,10 +609,9 @@ def test_fixed_buffer_decode_step_replays_in_a_cuda_graph():
     """mh.attention of one query step over fixed (B, Hkv, N, D) key/value buffers, the valid lengths a
     device tensor updated in place, captured once in a torch.cuda.CUDAGraph and replayed.
 
-    A MultiHeadAttention step with a KVCache attends to a view whose length grows by one per step, so a
-    graph would need one capture per length; the fixed-size buffers with valid_lens are the step a
-    serving loop captures (the cache's storage of KVCache(max_len=N) is such a buffer). Each replay
-    equals eager and is within the 2x rule against attention_reference."""
+    The functional form of what KVCache(max_len=N, fixed_shape=True) does inside MultiHeadAttention (see
+    test_module_decode_step_in_one_cuda_graph). Each replay equals eager and is within the 2x rule
+    against attention_reference."""
     q, k, v, lens = _decode_buffers()
     _refill(q, k, v, lens, 60, LENS9[0])
 
@@ -654,3 +653,63 @@ def test_reduce_overhead_decode_step_uses_cuda_graphs():
         report = compare_to_reference(lambda *a, got=got, **kw: got, q, k, v, valid_lens=lens)
         assert report.ok, (new, report)
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+
+
+@cuda_only
+def test_fixed_shape_cache_decode_step_does_not_synchronise():
+    """One decode step of MultiHeadAttention (rotary, grouped heads) on KVCache(max_len, fixed_shape=True):
+    the positions, the write and the mask of the unwritten positions all stay on the device."""
+    model = _twin(_mha(rotary=True), torch.bfloat16)
+    x = _randn(2, 16, 32, dtype=torch.bfloat16, seed=54)
+    cache = mh.KVCache(max_len=16, fixed_shape=True)
+    pos = iter(range(8, 16))
+    with torch.no_grad():
+        model(x[:, :8], cache=cache, causal=True)  # prefill
+
+        def step():
+            t = next(pos)
+            model(x[:, t : t + 1], cache=cache, causal=True)
+
+        _without_sync(step, "fixed-shape decode step")
+    assert len(cache) == 10
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_module_decode_step_in_one_cuda_graph(dtype):
+    """MultiHeadAttention (rotary, grouped heads) on KVCache(max_len, fixed_shape=True), the step compiled
+    with mode="reduce-overhead": recorded as a CUDA graph (no skip counted) and replayed for every token,
+    each step within the 2x rule of the growing cache's eager steps (math backend) against float64."""
+    _fresh_compiler()
+    model = _mha(rotary=True)
+    x = _randn(2, 12, 32, dtype=torch.float64, seed=55)
+    fast, ref_model = _twin(model, dtype), _twin(model, dtype, backend="math")
+    gold_model = _twin(model, torch.float64)
+    cache, ref_cache, gold_cache = mh.KVCache(max_len=12, fixed_shape=True), mh.KVCache(), mh.KVCache()
+    step = torch.compile(lambda x_t: fast(x_t, cache=cache, causal=True), mode="reduce-overhead")
+    with torch.no_grad():
+        fast(x[:, :4].to(dtype), cache=cache, causal=True)  # prefill, eagerly
+        ref_model(x[:, :4].to(dtype), cache=ref_cache, causal=True)
+        gold_model(x[:, :4], cache=gold_cache, causal=True)
+        for t in range(4, 12):
+            got = step(x[:, t : t + 1].to(dtype)).clone()
+            ref = ref_model(x[:, t : t + 1].to(dtype), cache=ref_cache, causal=True)
+            gold = gold_model(x[:, t : t + 1], cache=gold_cache, causal=True)
+            _within(got, ref, gold, dtype, f"graphed decode step {t}")
+    assert len(cache) == 12
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+
+
+@cuda_only
+def test_block_mask_calls_after_the_first_do_not_synchronise():
+    """A BlockMask passed to every layer: the first call converts it (host copies), later calls reuse the
+    conversion and hand the BlockMask to flex_attention as it is."""
+    from torch.nn.attention import flex_attention as flex
+
+    n = 256
+    bm = flex.create_block_mask(
+        lambda b, h, qi, ki: (ki <= qi) & (qi - ki < 64), None, None, n, n, device=DEV
+    )
+    q, k, v = (_randn(2, 4, n, 32, dtype=torch.bfloat16, seed=s) for s in (56, 57, 58))
+    with torch.no_grad():
+        _without_sync(lambda: mh.attention(q, k, v, mask=bm), "BlockMask call")

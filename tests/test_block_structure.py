@@ -214,6 +214,40 @@ def test_flex_takes_the_users_block_mask_as_it_is(batch, heads, monkeypatch):
     torch.testing.assert_close(causal.double(), want_causal, atol=2e-6, rtol=2e-5)
 
 
+@pytest.mark.filterwarnings("ignore")
+def test_flex_builds_a_block_mask_once_for_the_same_sources(monkeypatch):
+    """The layers and calls that pass the same mask function (and segment ids) share one BlockMask; a
+    tensor the function captures, changed in place, or other lengths build a new one, with its meaning."""
+    from multihead.core.backends.flex import FlexBackend
+
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 96, 16, generator=gen) for _ in range(3))
+    width = torch.tensor(20)
+    fn = mh.masks.sliding_window_fn(32)
+
+    def captured(b, h, qi, ki):
+        return (qi - ki).abs() < width
+
+    built = []
+    real = flex.create_block_mask
+    monkeypatch.setattr(flex, "create_block_mask", lambda *a, **kw: built.append(a) or real(*a, **kw))
+    backend = FlexBackend(compiled=False)
+    with torch.no_grad():
+        for _ in range(3):
+            backend(prepare(q, k, v, mask=fn, causal=True))
+        assert len(built) == 1
+        first, _ = backend(prepare(q, k, v, mask=captured))
+        width.fill_(5)  # in place: the cached BlockMask no longer holds
+        second, _ = backend(prepare(q, k, v, mask=captured))
+        backend(prepare(q[:, :, :64], k, v, mask=captured))
+        assert len(built) == 4
+    i = torch.arange(96)
+    for out, w in ((first, 20), (second, 5)):
+        keep = (i[:, None] - i[None, :]).abs() < w
+        want = mh.attention_reference(q.double(), k.double(), v.double(), mask=keep)
+        torch.testing.assert_close(out.double(), want, atol=2e-6, rtol=2e-5)
+
+
 def test_a_block_mask_is_converted_once_per_call_shape():
     """Every layer of every call passes the same BlockMask: it is read (host copies, a probe) once."""
     from multihead.core.masks.blocks import _FROM_FLEX_SIZE, from_flex

@@ -33,14 +33,20 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from ..checks import is_tracing
 from ..masks import BiasFn, MaskFn, and_masks, causal_fn, segments_fn, tensor_fn
+from ..masks.blocks import captured_versions
 from ._common import zero_dead_rows
 from .base import AttentionCall, Backend, Deferral
 from .flex_cpu import CpuFlex
+
+if TYPE_CHECKING:
+    from ..masks import Normalized
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -140,11 +146,8 @@ class FlexBackend:
             parts.append(causal_fn(lq, lk))
         block_mask = _as_given(m.mask_fn, parts, b, h, lq, lk)  # the user's own BlockMask, where it serves
         if parts and block_mask is None:
-            mask_mod = and_masks(*parts)
-            block_mask = flex.create_block_mask(  # type: ignore[attr-defined]
-                lambda bi, hi, i, j: mask_mod(bi, hi, i, j), b if per_b else None, h if per_h else None,
-                lq, lk, device=q.device,
-            )  # fmt: skip
+            rows = (b if per_b else None, h if per_h else None, lq, lk)
+            block_mask = _built_block_mask(flex, m, parts, rows, q.device)
         score_mod = _score_mod(call.softcap, m.bias, m.bias_fn)
         run = _compiled_flex() if self.compiled else flex.flex_attention  # type: ignore[attr-defined]
         out, lse = _run_flex(
@@ -165,6 +168,46 @@ class FlexBackend:
             lse = torch.where(torch.isneginf(lse), sink, lse)  # a row with no key: out is 0 already
             out = out * torch.sigmoid(lse - sink).unsqueeze(-1).to(out.dtype)  # (B, H, Lq, Dv)
         return zero_dead_rows(out, m.row_ok), None
+
+
+#: Block masks built by the last calls: (their sources, the call's rows) -> (sources kept alive, the
+#: BlockMask). The layers of one forward pass, and the calls of a loop, pass the same mask function,
+#: segment ids or mask tensor: building the BlockMask evaluates the mask over every (query, key) pair
+#: (about 30 ms at L = 16k on an H200, more than the attention), so it is built once for them.
+_BUILT: dict[tuple, tuple[tuple, object]] = {}
+_BUILT_SIZE = 16
+
+
+def _built_block_mask(
+    flex: object, m: Normalized, parts: list[MaskFn], rows: tuple, device: torch.device
+) -> object:
+    """``create_block_mask`` of the AND of ``parts`` for ``rows`` (B|None, H|None, Lq, Lk), reused while
+    its sources (the mask function and the tensors it captures, the segment ids, the dense mask: by
+    identity and version) and the call's rows are the same; built every call under tracing."""
+    mask_mod = and_masks(*parts)
+
+    def build() -> object:
+        return flex.create_block_mask(  # type: ignore[attr-defined]
+            lambda bi, hi, i, j: mask_mod(bi, hi, i, j), *rows, device=device
+        )
+
+    if is_tracing():
+        return build()
+    sources = (m.mask_fn, m.mask, *(m.segments or ()))
+    key = (
+        tuple(id(x) for x in sources),
+        tuple(x._version for x in sources if isinstance(x, Tensor)),
+        captured_versions(m.mask_fn) if m.mask_fn is not None else (),
+        m.causal,
+        rows,
+        device,
+    )
+    hit = _BUILT.pop(key, None)  # popped and put back: the most recent last
+    built = build() if hit is None else hit[1]
+    _BUILT[key] = (sources, built)
+    while len(_BUILT) > _BUILT_SIZE:
+        del _BUILT[next(iter(_BUILT))]
+    return built
 
 
 def _as_given(mask_fn: object, parts: list[MaskFn], b: int, h: int, lq: int, lk: int) -> object | None:

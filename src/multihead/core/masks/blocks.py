@@ -33,6 +33,7 @@ __all__ = [
     "BlockMaskFunction",
     "Blocks",
     "block_mask",
+    "captured_versions",
     "from_flex",
     "is_flex_block_mask",
     "refine",
@@ -229,7 +230,7 @@ _CACHE: weakref.WeakKeyDictionary[object, dict[tuple, tuple[tuple, Blocks | None
 )
 
 
-def _captured_versions(fn: object, depth: int = 2) -> tuple:
+def captured_versions(fn: object, depth: int = 2) -> tuple:
     """Versions of the tensors ``fn`` closes over (and those of the functions it closes over): a cached
     structure is rebuilt when one of them changed in place."""
     out: list[tuple[int, int]] = []
@@ -242,13 +243,13 @@ def _captured_versions(fn: object, depth: int = 2) -> tuple:
         if isinstance(value, Tensor):
             out.append((id(value), value._version))
         elif callable(value) and depth:
-            out.extend(_captured_versions(value, depth - 1))
+            out.extend(captured_versions(value, depth - 1))
         elif isinstance(value, (tuple, list)) and depth:
             for v in value:
                 if isinstance(v, Tensor):
                     out.append((id(v), v._version))
                 elif callable(v):
-                    out.extend(_captured_versions(v, depth - 1))
+                    out.extend(captured_versions(v, depth - 1))
     return tuple(out)
 
 
@@ -259,7 +260,7 @@ def structure(fn: MaskFn, target: tuple[int, int, int, int], block_q: int, block
     if isinstance(fn, BlockMaskFunction):
         return fn.blocks
     key = (target, block_q, block_k)
-    versions = _captured_versions(fn)
+    versions = captured_versions(fn)
     try:
         seen = _CACHE.setdefault(fn, {})
     except TypeError:  # not weak-referenceable: built every call

@@ -32,6 +32,7 @@ with broadcast (size-1) mask/bias dimensions indexed at 0 and rows with no allow
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -41,7 +42,7 @@ from torch import Tensor
 from ..checks import is_tracing
 from ..masks import BiasFn, MaskFn, and_masks, causal_fn, segments_fn, tensor_fn
 from ..masks.blocks import captured_versions
-from ._common import zero_dead_rows
+from ._common import DENSE_LIMIT, zero_dead_rows
 from .base import AttentionCall, Backend, Deferral
 from .flex_cpu import CpuFlex
 
@@ -121,8 +122,9 @@ class FlexBackend:
 
     def defers(self, call: AttentionCall) -> Deferral | None:
         """On the CPU, auto routing leaves small, one-off and unbounded calls to ``blocked``
-        (:meth:`.flex_cpu.CpuFlex.defers`)."""
-        return self.cpu.defers(call) if self._on_cpu(call) else None
+        (:meth:`.flex_cpu.CpuFlex.defers`); on a GPU, calls of tensor masks alone to ``sdpa``
+        (:func:`gpu_deferral`)."""
+        return self.cpu.defers(call) if self._on_cpu(call) else gpu_deferral(call)
 
     def __call__(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         if self._on_cpu(call):
@@ -149,19 +151,28 @@ class FlexBackend:
             rows = (b if per_b else None, h if per_h else None, lq, lk)
             block_mask = _built_block_mask(flex, m, parts, rows, q.device)
         score_mod = _score_mod(call.softcap, m.bias, m.bias_fn)
-        run = _compiled_flex() if self.compiled else flex.flex_attention  # type: ignore[attr-defined]
-        out, lse = _run_flex(
-            run,
-            flex,
-            call.sinks is not None,
-            query=q,  # (B, H, Lq, Dk)
-            key=k,  # (B, Hkv, Lk, Dk)
-            value=v,  # (B, Hkv, Lk, Dv)
-            score_mod=score_mod,
-            block_mask=block_mask,
-            scale=call.scale,
-            enable_gqa=k.shape[1] != h,
-        )  # (B, H, Lq, Dv), (B, H, Lq) | None
+        kwargs = {
+            "query": q,  # (B, H, Lq, Dk)
+            "key": k,  # (B, Hkv, Lk, Dk)
+            "value": v,  # (B, Hkv, Lk, Dv)
+            "score_mod": score_mod,
+            "block_mask": block_mask,
+            "scale": call.scale,
+            "enable_gqa": k.shape[1] != h,
+        }
+        want_lse = call.sinks is not None
+        if not self.compiled:
+            out, lse = _run_flex(flex.flex_attention, flex, want_lse, **kwargs)  # type: ignore[attr-defined]
+        else:
+            try:
+                out, lse = _run_flex(_compiled_flex(), flex, want_lse, **kwargs)  # (B, H, Lq, Dv), (B, H, Lq)
+            except (
+                Exception
+            ) as err:  # torch's compiler failed on this call: FlexAttention eagerly, same meaning
+                if is_tracing() or not _is_compile_failure(err) or b * h * lq * lk > DENSE_LIMIT:
+                    raise
+                _warn_compile_failure(err, q, k)
+                out, lse = _run_flex(flex.flex_attention, flex, want_lse, **kwargs)  # type: ignore[attr-defined]
         if call.sinks is not None:
             assert lse is not None
             sink = call.sinks.view(1, h, 1).to(lse.dtype)  # (1, H, 1)
@@ -220,6 +231,49 @@ def _as_given(mask_fn: object, parts: list[MaskFn], b: int, h: int, lq: int, lk:
     mb, mh = source.kv_num_blocks.shape[:2]  # type: ignore[attr-defined]
     fits = tuple(int(n) for n in source.seq_lengths) == (lq, lk)  # type: ignore[attr-defined]
     return source if fits and mb in (1, b) and mh in (1, h) else None
+
+
+#: Lq * Lk from which packed documents (segment ids) stay with flex on a GPU: there its block mask skips the
+#: pairs between documents (at 16k on an H200: 0.10x SDPA with the dense mask); below, SDPA's dense mask
+#: costs little and needs no compile.
+SEGMENTS_ON_FLEX = 2048 * 2048
+
+
+def gpu_deferral(call: AttentionCall) -> Deferral | None:
+    """On a GPU, auto routing sends to ``sdpa`` the calls whose masks are tensors alone (a bool mask,
+    ``valid_lens``, causality with Lq != Lk, a dense bias, sinks; packed documents below
+    :data:`SEGMENTS_ON_FLEX`): SDPA's fused kernels take them as one dense mask, with nothing to compile.
+    Flex keeps what only it serves without a dense grid: mask and bias functions (a BlockMask included),
+    softcap, and long packed rows. Measured on an H200 (benchmarks/results/cuda.md): through compiled flex,
+    such calls recompiled whenever their mask tensor was a new one, synchronised the host while doing it,
+    and inductor failed to compile some grouped-query shapes."""
+    m = call.masks
+    if m.mask_fn is not None or m.bias_fn is not None or call.softcap is not None:
+        return None
+    if m.segments is not None and call.q.shape[2] * call.k.shape[2] >= SEGMENTS_ON_FLEX:
+        return None
+    return Deferral("sdpa", "tensor masks only: SDPA's fused kernels take them as a dense mask, no compile")
+
+
+def _is_compile_failure(err: BaseException) -> bool:
+    """Whether ``err`` came from torch's compiler stack (dynamo, inductor, Triton's autotuning)."""
+    return any(
+        c.__module__.startswith(("torch._dynamo", "torch._inductor", "triton")) for c in type(err).__mro__
+    )
+
+
+@functools.cache
+def _warn_once(text: str) -> None:
+    warnings.warn(text, RuntimeWarning, stacklevel=4)
+
+
+def _warn_compile_failure(err: BaseException, q: Tensor, k: Tensor) -> None:
+    first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+    _warn_once(
+        f"multihead: torch.compile could not compile flex_attention for q {tuple(q.shape)} k {tuple(k.shape)} "
+        f"{q.dtype} ({type(err).__name__}: {first}); FlexAttention runs eagerly for this call (same result, "
+        f"more memory). backend='sdpa' or 'math' avoid the compiler."
+    )
 
 
 def _needs_grad(call: AttentionCall) -> bool:

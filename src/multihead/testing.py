@@ -9,6 +9,7 @@ Dimensions: B batch, H heads, Hkv kv heads, Lq/Lk lengths, Dk/Dv head dims.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -37,6 +38,7 @@ __all__ = [
     "compare_to_reference",
     "merge_floor",
     "minilm_dir",
+    "reduction_floor",
     "render",
 ]
 
@@ -52,6 +54,23 @@ def allowed_error(
     (default: a per-dtype constant for the cases where the reference happens to be exact).
     """
     return factor * reference_error + (_FLOOR.get(dtype, 1e-6) if floor is None else floor)
+
+
+def reduction_floor(dtype: torch.dtype, magnitude: float, terms: int) -> float:
+    """The absolute error floor of a result that sums ``terms`` products, each rounded in ``dtype``, beyond the
+    2x rule: ``log2(terms) + 1`` units in the last place of ``magnitude`` (the largest absolute value of the
+    float64 oracle's result).
+
+    A bias or sinks gradient is such a sum, over the batch and the queries. The reference and a fast path
+    sum in different orders. Each order's rounding error grows like ``log2(terms)`` ulps for pairwise sums.
+    A reference whose few elements happen to round well (half an ulp: seen for the (H,) sinks gradient in
+    bfloat16) would otherwise set a bound below what any other order reaches. A wrong mask or a wrong
+    formula is still off by the result's own size, far above this floor.
+    """
+    if magnitude <= 0:
+        return 0.0
+    ulp = torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(magnitude))
+    return (math.log2(max(terms, 1)) + 1.0) * ulp
 
 
 def merge_floor(dtype: torch.dtype, magnitude: float, parts: int) -> float:

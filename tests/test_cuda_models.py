@@ -564,11 +564,14 @@ def test_training_step_does_not_synchronise(kind):
 
 
 @cuda_only
-def test_decode_step_does_not_synchronise():
-    """One cached decode step of MultiHeadAttention (rotary, grouped heads) on a KVCache(max_len=...)."""
+@pytest.mark.parametrize("fixed_shape", [False, True], ids=["growing", "fixed_shape"])
+def test_decode_step_does_not_synchronise(fixed_shape):
+    """One cached decode step of MultiHeadAttention (rotary, grouped heads) on a KVCache(max_len=...), and
+    on KVCache(max_len, fixed_shape=True), whose positions, write and mask of the unwritten positions all
+    stay on the device."""
     model = _twin(_mha(rotary=True), torch.bfloat16)
     x = _randn(2, 16, 32, dtype=torch.bfloat16, seed=53)
-    cache = mh.KVCache(max_len=16)
+    cache = mh.KVCache(max_len=16, fixed_shape=fixed_shape)
     pos = iter(range(8, 16))
     with torch.no_grad():
         model(x[:, :8], cache=cache, causal=True)  # prefill
@@ -577,7 +580,7 @@ def test_decode_step_does_not_synchronise():
             t = next(pos)
             model(x[:, t : t + 1], cache=cache, causal=True)
 
-        _without_sync(step, "decode step")
+        _without_sync(step, f"decode step (fixed_shape={fixed_shape})")
     assert len(cache) == 10
 
 
@@ -653,25 +656,6 @@ def test_reduce_overhead_decode_step_uses_cuda_graphs():
         report = compare_to_reference(lambda *a, got=got, **kw: got, q, k, v, valid_lens=lens)
         assert report.ok, (new, report)
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
-
-
-@cuda_only
-def test_fixed_shape_cache_decode_step_does_not_synchronise():
-    """One decode step of MultiHeadAttention (rotary, grouped heads) on KVCache(max_len, fixed_shape=True):
-    the positions, the write and the mask of the unwritten positions all stay on the device."""
-    model = _twin(_mha(rotary=True), torch.bfloat16)
-    x = _randn(2, 16, 32, dtype=torch.bfloat16, seed=54)
-    cache = mh.KVCache(max_len=16, fixed_shape=True)
-    pos = iter(range(8, 16))
-    with torch.no_grad():
-        model(x[:, :8], cache=cache, causal=True)  # prefill
-
-        def step():
-            t = next(pos)
-            model(x[:, t : t + 1], cache=cache, causal=True)
-
-        _without_sync(step, "fixed-shape decode step")
-    assert len(cache) == 10
 
 
 @cuda_only

@@ -421,28 +421,6 @@ def test_fixed_shape_cache_equals_the_growing_cache(cuts, rotary, kv_heads, caus
     assert fixed.capacity == sum(cuts) + 3
 
 
-def test_fixed_shape_steps_are_one_compiled_graph():
-    """Every step has the same shapes and touches no Python int: torch.compile(fullgraph=True) compiles
-    the decode step once and replays it for every position (what a CUDA graph needs), matching eager."""
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()
-    counters.clear()
-    mha = _mha(heads=4, kv_heads=2, rotary=True)
-    x = torch.randn(2, 9, 32)
-    cache, eager_cache = mh.KVCache(max_len=9, fixed_shape=True), mh.KVCache(max_len=9, fixed_shape=True)
-    step = torch.compile(lambda x_t: mha(x_t, cache=cache, causal=True), fullgraph=True)
-    with torch.no_grad():
-        mha(x[:, :3], cache=cache, causal=True)  # prefill, eagerly
-        mha(x[:, :3], cache=eager_cache, causal=True)
-        for t in range(3, 9):
-            got = step(x[:, t : t + 1])
-            want = mha(x[:, t : t + 1], cache=eager_cache, causal=True)
-            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
-    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
-    torch._dynamo.reset()
-
-
 def test_fixed_shape_cache_with_a_key_padding_mask():
     """mask= over the storage's max_len positions (left padding) combines with the positions not yet
     written; the growing cache with the same mask cut to the written length agrees."""

@@ -155,3 +155,26 @@ def test_masking_head_after_head_reuses_the_compiled_graph():
             plain.out_proj.weight[:, h * 4 : (h + 1) * 4] = 0  # head h's columns of out_proj (head dim 4)
             torch.testing.assert_close(got, plain(x))
     assert counters["stats"]["unique_graphs"] <= 2
+
+
+def test_fixed_shape_steps_are_one_compiled_graph():
+    """KVCache(max_len, fixed_shape=True): every step has the same shapes and touches no Python int, so
+    torch.compile(fullgraph=True) compiles the decode step once and replays it for every position (what a
+    CUDA graph needs), matching eager. (Not a numerics test: inductor's C++ build fails under a forced
+    ATEN_CPU_CAPABILITY, see test_flex_cpu.py.)"""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    mha = mh.MultiHeadAttention(32, 4, kv_heads=2, rotary=True).eval()
+    x = torch.randn(2, 9, 32)
+    cache, eager_cache = mh.KVCache(max_len=9, fixed_shape=True), mh.KVCache(max_len=9, fixed_shape=True)
+    step = torch.compile(lambda x_t: mha(x_t, cache=cache, causal=True), fullgraph=True)
+    with torch.no_grad():
+        mha(x[:, :3], cache=cache, causal=True)  # prefill, eagerly
+        mha(x[:, :3], cache=eager_cache, causal=True)
+        for t in range(3, 9):
+            got = step(x[:, t : t + 1])
+            want = mha(x[:, t : t + 1], cache=eager_cache, causal=True)
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    torch._dynamo.reset()

@@ -49,13 +49,22 @@ from .objectives import (
     Objective,
     Seq2Seq,
     contrastive_loss,
+    crops,
     embed,
     make_batches,
     pair_similarities,
     spearman,
 )
 from .recover import Recovery, recover
-from .refit import LeastSquares, feed_forward_sums, output_fits, output_projection, refit, refit_feed_forward
+from .refit import (
+    LeastSquares,
+    feed_forward_sums,
+    output_fits,
+    output_projection,
+    refit,
+    refit_feed_forward,
+    refit_layers,
+)
 from .report import markdown
 
 __all__ = [
@@ -81,6 +90,7 @@ __all__ = [
     "choose_compensable",
     "compensable_heads",
     "contrastive_loss",
+    "crops",
     "embed",
     "encode",
     "feed_forward_sums",
@@ -97,6 +107,7 @@ __all__ = [
     "recover",
     "refit",
     "refit_feed_forward",
+    "refit_layers",
     "run",
     "spearman",
     "split_texts",

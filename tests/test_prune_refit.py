@@ -157,7 +157,7 @@ def test_refit_then_feed_forward_in_two_passes_is_not_exact():
     P.refit(student, teacher, _batches(), P.Embedding(), modules, ridge=0.0)
     P.refit_feed_forward(student, teacher, _batches(), P.Embedding(), ridge=0.0)
     got = student.encoder.layer[1].attention.output.dense.weight.detach()
-    want = teacher.encoder.layer[1].attention.output.dense.weight
+    want = teacher.encoder.layer[1].attention.output.dense.weight.detach()
     assert float((got - want).abs().max()) > 1e-3
 
 

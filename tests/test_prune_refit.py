@@ -166,7 +166,9 @@ def test_crops_keep_the_ends_around_a_contiguous_span():
     out = P.crops(ids, seed=0)
     assert out == P.crops(ids, seed=0) and out != P.crops(ids, seed=1)  # seeded
     assert len(out) == 3
-    for row, crop in zip(ids[1:], out, strict=True):
+    two = P.crops(ids, seed=0, copies=2)
+    assert two[:3] == out and len(two) == 6 and two[3:] != out  # a second, different crop of each
+    for row, crop in zip(ids[1:] * 2, two, strict=True):
         inner, span = row[1:-1], crop[1:-1]
         assert (crop[0], crop[-1]) == (row[0], row[-1])
         assert max(2, int(0.5 * len(inner))) <= len(span) <= max(2, int(0.9 * len(inner)))

@@ -102,11 +102,9 @@ def _batch(job: Job, opts: Options) -> None:
         "held_out": make_batches(job.ids["held_out"], tok, obj, size, opts.seed + 1),
     }
     job.batches["choose"] = spread_subset(job.batches["train"], opts.refit_texts)
-    cropped = (
-        make_batches(crops(job.ids["train"], opts.seed), tok, obj, size, opts.seed + 4) if opts.crops else []
-    )
+    cropped = make_batches(crops(job.ids["train"], opts.seed, opts.crops), tok, obj, size, opts.seed + 4)
     job.batches["refit"] = job.batches["choose"] + (
-        spread_subset(cropped, opts.refit_texts) if cropped else []
+        spread_subset(cropped, opts.crops * opts.refit_texts) if cropped else []
     )
 
 
@@ -155,8 +153,8 @@ def _refit(
     job: Job, opts: Options, pruned: nn.Module, removed: dict[str, list[int]], stages: Stages
 ) -> nn.Module:
     """Refit each pruned layer's attention output projection and each layer's feed-forward output projection,
-    layer by layer, on the training texts and a crop of each (:func:`refit_layers`); kept if validation
-    improves."""
+    layer by layer, on the training texts and ``opts.crops`` random crops of each (:func:`refit_layers`);
+    kept if validation improves."""
     candidate = copy.deepcopy(pruned)
     original, batches = job.loaded.model, job.batches["refit"]
     with Progress(len(removed) + len(feed_forward_sums(pruned)), "refit", enabled=opts.progress) as bar:

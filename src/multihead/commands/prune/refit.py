@@ -7,9 +7,11 @@ where the original computed ``y = W x + b`` from every head. :func:`refit` choos
 that the kept heads reproduce the original layer's output on the calibration tokens as well as a linear
 map can (ordinary least squares with a small ridge, over the tokens of every text): the part of the
 removed heads' output that the kept heads predict, and its mean (the bias), are put back (FLAP's bias
-compensation and SliceGPT's/OBS-style layer-wise reconstruction do the same kind of thing). Layers are
-refit in the order they run, each on the inputs the already refit layers before it give, so a later
-layer also corrects what earlier ones could not. Calibration tokens far outnumber the I + 1 unknowns
+compensation and SliceGPT's/OBS-style layer-wise reconstruction do the same kind of thing).
+:func:`refit_feed_forward` moves each feed-forward output projection so that the layer's residual sum
+matches the original's, and :func:`refit_layers` (what the command runs) interleaves the two, layer by
+layer. Layers are refit in the order they run, each on the inputs the already refit layers before it
+give, so a later layer also corrects what earlier ones could not. Calibration tokens far outnumber the I + 1 unknowns
 per output, so the fit generalises (see ``benchmarks/results/prune.md``).
 """
 

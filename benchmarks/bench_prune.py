@@ -201,7 +201,7 @@ def markdown(res: dict) -> str:
         "layers by refit residual, `prune.choose_compensable`); *+ refit*: layer by layer, on the pruned model's "
         "own inputs, each pruned layer's attention output projection refit by least squares (ridge 1e-2), then "
         "that layer's feed-forward output projection refit so that its residual sum matches the original's "
-        "(ridge 1.0 toward its own weights), on the calibration lines plus a random crop of each "
+        "(ridge 0.3 toward its own weights), on the calibration lines plus two random crops of each "
         "(`prune.refit_layers`, `prune.crops`); "
         "*+ recovery*: distillation toward the original, early-stopped on the validation split.",
         "",

@@ -332,7 +332,7 @@ def refit_layers(
     teacher: nn.Module,
     batches: Sequence[Batch],
     objective: Objective,
-    modules: Sequence[str],
+    modules: Sequence[str] | None = None,
     *,
     ridge: float = RIDGE,
     feed_forward_ridge: float = FEED_FORWARD_RIDGE,
@@ -340,15 +340,18 @@ def refit_layers(
 ) -> int:
     """:func:`refit` and :func:`refit_feed_forward` interleaved, layer by layer, in place: each pruned
     layer's attention output projection, then that layer's feed-forward output projection (where the
-    model has one), then the next layer's, each fit on the inputs the refits before it give. Returns the
-    number of projections refit.
+    model has one), then the next layer's, each fit on the inputs the refits before it give. ``modules``:
+    the attention modules whose output projections are refit (None: every one). Returns the number of
+    projections refit.
 
     Interleaved, a layer's attention refit already sees the feed-forward corrections of every earlier
     layer (run one after the other, :func:`refit` sees none of them). On all-MiniLM-L6-v2 (seed 0,
     ``benchmarks/bench_prune.py``'s external held-out Spearman) it gave +0.0002 to +0.0026 over the two
     passes one after the other on both real-text corpora at ``--heads`` 0.25 and 0.5.
     """
-    attention = _output_steps(student, teacher, modules, ridge)
+    attention = _output_steps(
+        student, teacher, list(attention_modules(student)) if modules is None else modules, ridge
+    )
     feed = _feed_forward_steps(student, teacher, feed_forward_ridge)
     steps = [
         step for name in attention_modules(student) for step in (attention.get(name), feed.get(name)) if step

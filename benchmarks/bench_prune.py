@@ -9,8 +9,8 @@ corpus is split by a fixed rule: every fourth sentence is held out from the comm
 *external* held-out set); the command gets the rest and splits it again by its own fixed rule (train /
 validation / held out).
 
-Per corpus, ``--heads`` 0.25 and 0.5, and seeds 0, 1, 2 (the command's ``seed``: its batch order and
-recovery draws; the heads chosen and the refit do not depend on it):
+Per corpus, ``--heads`` 0.25 and 0.5, and seeds 0, 1, 2 (the command's ``seed``: the refit's crops, the batch
+order and recovery draws; the heads chosen do not depend on it):
 
 * quality after each stage (pruned, least-squares refit, recovery) on the command's held-out split, and the
   saved model's quality on the external held-out sentences: Spearman rank correlation of the pairwise
@@ -198,17 +198,19 @@ def markdown(res: dict) -> str:
         "command (*external*); the command splits the rest into train / validation / held out itself.",
         "",
         "Stages: *pruned*: the heads the least-squares refit can best make up for, removed (greedy across "
-        "layers by refit residual, `prune.choose_compensable`); *+ refit*: each pruned layer's attention output "
-        "projection refit by least squares (ridge 1e-2), layer after layer on the pruned model's own inputs, "
-        "then each layer's feed-forward output projection refit so that its residual sum matches the "
-        "original's (ridge 1.0 toward its own weights, `prune.refit_feed_forward`); "
+        "layers by refit residual, `prune.choose_compensable`); *+ refit*: layer by layer, on the pruned model's "
+        "own inputs, each pruned layer's attention output projection refit by least squares (ridge 1e-2), then "
+        "that layer's feed-forward output projection refit so that its residual sum matches the original's "
+        "(ridge 0.3 toward its own weights), on the calibration lines plus two random crops of each "
+        "(`prune.refit_layers`, `prune.crops`); "
         "*+ recovery*: distillation toward the original, early-stopped on the validation split.",
         "",
         "Quality: Spearman rank correlation of the pruned model's pairwise sentence similarities (cosine of "
         "mean-pooled embeddings) with the original's. Stage columns: on the command's own held-out split "
         "(never trained on, never used to choose); a stage is kept only when it improves the validation "
         "split. The bold column is the saved model on the external held-out sentences. Mean [min, max] over "
-        f"seeds {', '.join(map(str, res['seeds']))} (the command's seed: batch order and recovery draws).",
+        f"seeds {', '.join(map(str, res['seeds']))} (the command's seed: the refit's crops, batch order and "
+        "recovery draws).",
         "",
         markdown_table(rows),
         "",

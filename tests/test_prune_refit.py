@@ -111,3 +111,61 @@ def test_refit_feed_forward_does_nothing_without_feed_forward_layers():
     )
     assert P.refit_feed_forward(student, teacher, [batch], P.Embedding()) == 0
     assert all(torch.equal(v, student.state_dict()[k]) for k, v in before.items())
+
+
+def _perturbed_both(teacher):
+    """The teacher with noise added to every layer's attention output projection and feed-forward output
+    projection (weights and biases): what :func:`P.refit_layers` with no ridge must undo exactly."""
+    student = _perturbed(teacher)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for layer in student.encoder.layer:
+            for p in layer.attention.output.dense.parameters():
+                p += 0.3 * torch.randn(p.shape, generator=g, dtype=torch.float64)
+    return student
+
+
+def test_refit_layers_interleaved_restores_every_projection_exactly():
+    """Layer 0's attention output projection sees the teacher's inputs, so its exact fit is the teacher's;
+    then layer 0's feed-forward projection, then layer 1's: interleaved, each fit sees the teacher's inputs."""
+    teacher = _bert()
+    student = _perturbed_both(teacher)
+    done = P.refit_layers(student, teacher, _batches(), P.Embedding(), ridge=0.0, feed_forward_ridge=0.0)
+    assert done == 4  # modules=None: every attention module's output projection, and both feed-forward ones
+    for s, t in zip(student.encoder.layer, teacher.encoder.layer, strict=True):
+        for proj in ("attention.output.dense", "output.dense"):
+            for name in ("weight", "bias"):
+                got, want = (
+                    s.get_submodule(proj).get_parameter(name),
+                    t.get_submodule(proj).get_parameter(name),
+                )
+                torch.testing.assert_close(got, want, atol=1e-8, rtol=0)
+
+
+def test_refit_then_feed_forward_in_two_passes_is_not_exact():
+    """The same perturbed student refit in two passes (every attention projection, then every feed-forward
+    one): layer 1's attention fit sees layer 0's still-perturbed feed-forward output, so it is not the
+    teacher's: what interleaving fixes."""
+    teacher = _bert()
+    student = _perturbed_both(teacher)
+    modules = list(heads.head_counts(teacher))
+    P.refit(student, teacher, _batches(), P.Embedding(), modules, ridge=0.0)
+    P.refit_feed_forward(student, teacher, _batches(), P.Embedding(), ridge=0.0)
+    got = student.encoder.layer[1].attention.output.dense.weight.detach()
+    want = teacher.encoder.layer[1].attention.output.dense.weight.detach()
+    assert float((got - want).abs().max()) > 1e-3
+
+
+def test_crops_keep_the_ends_around_a_contiguous_span():
+    ids = [list(range(100, 100 + n)) for n in (3, 4, 12, 30)]  # 3: one token between the ends, left out
+    out = P.crops(ids, seed=0)
+    assert out == P.crops(ids, seed=0) and out != P.crops(ids, seed=1)  # seeded
+    assert len(out) == 3
+    two = P.crops(ids, seed=0, copies=2)
+    assert two[:3] == out and len(two) == 6 and two[3:] != out  # a second, different crop of each
+    for row, crop in zip(ids[1:] * 2, two, strict=True):
+        inner, span = row[1:-1], crop[1:-1]
+        assert (crop[0], crop[-1]) == (row[0], row[-1])
+        assert max(2, int(0.5 * len(inner))) <= len(span) <= max(2, int(0.9 * len(inner)))
+        start = inner.index(span[0])
+        assert inner[start : start + len(span)] == span  # contiguous, in order

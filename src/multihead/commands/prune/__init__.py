@@ -13,10 +13,11 @@ Dimensions: B batch, L tokens, E hidden width, V vocabulary, N texts, P = N (N -
    the heads the refit can best make up for: greedily, across layers, the head whose removal leaves the
    least of its layer's output (relative to that output's spread) outside what a least-squares map of
    the kept heads reproduces (:func:`choose_compensable`, :mod:`.choose`; no layer is ever emptied);
-3. refit each pruned layer's output projection by least squares so that the kept heads reproduce the
-   original layer's output on the training tokens, then (BERT-family encoders) each layer's feed-forward
-   output projection, ridge-pulled toward its own weights, so that the layer's residual sum matches the
-   original's (:mod:`.refit`);
+3. refit, layer by layer (each on the inputs the refits before it give), each pruned layer's output
+   projection by least squares so that the kept heads reproduce the original layer's output, then
+   (BERT-family encoders) that layer's feed-forward output projection, ridge-pulled toward its own weights,
+   so that the layer's residual sum matches the original's; on the training tokens plus those of two
+   random crops of each text (:func:`refit_layers`, :func:`crops`, :mod:`.refit`);
 4. recover: distil toward the original (:mod:`.recover`), stopped early on the validation texts;
 5. measure each stage on the validation and held-out texts (a stage is kept only if it improves the
    validation quality), the parameters, and the forward speed of the original against the pruned model in
@@ -49,13 +50,22 @@ from .objectives import (
     Objective,
     Seq2Seq,
     contrastive_loss,
+    crops,
     embed,
     make_batches,
     pair_similarities,
     spearman,
 )
 from .recover import Recovery, recover
-from .refit import LeastSquares, feed_forward_sums, output_fits, output_projection, refit, refit_feed_forward
+from .refit import (
+    LeastSquares,
+    feed_forward_sums,
+    output_fits,
+    output_projection,
+    refit,
+    refit_feed_forward,
+    refit_layers,
+)
 from .report import markdown
 
 __all__ = [
@@ -81,6 +91,7 @@ __all__ = [
     "choose_compensable",
     "compensable_heads",
     "contrastive_loss",
+    "crops",
     "embed",
     "encode",
     "feed_forward_sums",
@@ -97,6 +108,7 @@ __all__ = [
     "recover",
     "refit",
     "refit_feed_forward",
+    "refit_layers",
     "run",
     "spearman",
     "split_texts",

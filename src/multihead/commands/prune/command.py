@@ -30,9 +30,9 @@ from .inputs import (
     recover_steps,
     split_texts,
 )
-from .objectives import OBJECTIVES, Batch, Objective, make_batches
+from .objectives import OBJECTIVES, Batch, Objective, crops, make_batches
 from .recover import Recovery, recover
-from .refit import feed_forward_sums, refit, refit_feed_forward
+from .refit import feed_forward_sums, refit_layers
 from .report import markdown, save, speed
 
 __all__ = ["Job", "Stages", "options_from", "prepare", "run"]
@@ -101,7 +101,11 @@ def _batch(job: Job, opts: Options) -> None:
         "validation": make_batches(job.ids["validation"], tok, obj, size, opts.seed + 3),
         "held_out": make_batches(job.ids["held_out"], tok, obj, size, opts.seed + 1),
     }
-    job.batches["refit"] = spread_subset(job.batches["train"], opts.refit_texts)
+    job.batches["choose"] = spread_subset(job.batches["train"], opts.refit_texts)
+    cropped = make_batches(crops(job.ids["train"], opts.seed, opts.crops), tok, obj, size, opts.seed + 4)
+    job.batches["refit"] = job.batches["choose"] + (
+        spread_subset(cropped, opts.crops * opts.refit_texts) if cropped else []
+    )
 
 
 class Stages:
@@ -142,19 +146,21 @@ class Stages:
 
 def _prune(job: Job, opts: Options) -> tuple[nn.Module, dict[str, list[int]]]:
     """Choose the heads the refit can best make up for (:func:`choose_compensable`) and prune them."""
-    return choose_compensable(job.loaded.model, job.batches["refit"], job.objective, job.n)
+    return choose_compensable(job.loaded.model, job.batches["choose"], job.objective, job.n)
 
 
 def _refit(
     job: Job, opts: Options, pruned: nn.Module, removed: dict[str, list[int]], stages: Stages
 ) -> nn.Module:
-    """Refit the pruned layers' output projections, then each layer's feed-forward output projection
-    (:mod:`.refit`); kept if validation improves."""
+    """Refit each pruned layer's attention output projection and each layer's feed-forward output projection,
+    layer by layer, on the training texts and ``opts.crops`` random crops of each (:func:`refit_layers`);
+    kept if validation improves."""
     candidate = copy.deepcopy(pruned)
     original, batches = job.loaded.model, job.batches["refit"]
     with Progress(len(removed) + len(feed_forward_sums(pruned)), "refit", enabled=opts.progress) as bar:
-        refit(candidate, original, batches, job.objective, list(removed), progress=lambda: bar.update(1))
-        refit_feed_forward(candidate, original, batches, job.objective, progress=lambda: bar.update(1))
+        refit_layers(
+            candidate, original, batches, job.objective, list(removed), progress=lambda: bar.update(1)
+        )
     stages.measure("refit", candidate)
     return candidate if stages.rows[-1]["kept"] else pruned
 

@@ -65,6 +65,7 @@ class Options:
     held_out: float = 0.2  # of the texts, measured on only (the report's quality)
     validation: float = 0.1  # of the texts, to choose between stages and stop recovery early
     refit_texts: int = 1024  # training texts the heads are chosen and the projections refit on (at most)
+    crops: int = 2  # the refit also fits on this many random crops of each of those texts (objectives.crops)
     eval_every: int = 40  # recovery steps between validation checks
     patience: int = 2  # validation checks without improvement before recovery stops
     seed: int = 0

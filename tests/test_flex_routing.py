@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+from torch._inductor.exc import InductorError
 
 import multihead as mh
 from multihead import masks
@@ -70,7 +71,7 @@ def test_long_packed_rows_stay_with_flex():
     )
 
 
-class _CompilerBroke(torch._inductor.exc.InductorError):
+class _CompilerBroke(InductorError):
     def __init__(self):
         Exception.__init__(self, "NoValidChoicesError: No choices to select")
 

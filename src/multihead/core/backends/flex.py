@@ -166,9 +166,8 @@ class FlexBackend:
         else:
             try:
                 out, lse = _run_flex(_compiled_flex(), flex, want_lse, **kwargs)  # (B, H, Lq, Dv), (B, H, Lq)
-            except (
-                Exception
-            ) as err:  # torch's compiler failed on this call: FlexAttention eagerly, same meaning
+            except Exception as err:
+                # torch's compiler failed on this call: FlexAttention eagerly, with the same meaning
                 if is_tracing() or not _is_compile_failure(err) or b * h * lq * lk > DENSE_LIMIT:
                     raise
                 _warn_compile_failure(err, q, k)
@@ -183,7 +182,7 @@ class FlexBackend:
 
 #: Block masks built by the last calls: (their sources, the call's rows) -> (sources kept alive, the
 #: BlockMask). The layers of one forward pass, and the calls of a loop, pass the same mask function,
-#: segment ids or mask tensor: building the BlockMask evaluates the mask over every (query, key) pair
+#: or segment ids: building the BlockMask evaluates the mask over every (query, key) pair
 #: (about 30 ms at L = 16k on an H200, more than the attention), so it is built once for them.
 _BUILT: dict[tuple, tuple[tuple, object]] = {}
 _BUILT_SIZE = 16
@@ -194,7 +193,9 @@ def _built_block_mask(
 ) -> object:
     """``create_block_mask`` of the AND of ``parts`` for ``rows`` (B|None, H|None, Lq, Lk), reused while
     its sources (the mask function and the tensors it captures, the segment ids, the dense mask: by
-    identity and version) and the call's rows are the same; built every call under tracing."""
+    identity and version) and the call's rows are the same; built every call under tracing, and when a
+    dense mask tensor is part of it (normalisation makes a new one per call, and the cache would keep
+    tensors of (Lq, Lk) alive)."""
     mask_mod = and_masks(*parts)
 
     def build() -> object:
@@ -202,9 +203,9 @@ def _built_block_mask(
             lambda bi, hi, i, j: mask_mod(bi, hi, i, j), *rows, device=device
         )
 
-    if is_tracing():
+    if is_tracing() or m.mask is not None:
         return build()
-    sources = (m.mask_fn, m.mask, *(m.segments or ()))
+    sources = (m.mask_fn, *(m.segments or ()))
     key = (
         tuple(id(x) for x in sources),
         tuple(x._version for x in sources if isinstance(x, Tensor)),

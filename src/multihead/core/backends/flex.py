@@ -41,7 +41,7 @@ from torch import Tensor
 
 from ..checks import is_tracing
 from ..masks import BiasFn, MaskFn, and_masks, causal_fn, segments_fn, tensor_fn
-from ..masks.blocks import captured_versions
+from ..masks.blocks import Recent, captured_versions
 from ._common import DENSE_LIMIT, zero_dead_rows
 from .base import AttentionCall, Backend, Deferral
 from .flex_cpu import CpuFlex
@@ -184,8 +184,7 @@ class FlexBackend:
 #: BlockMask). The layers of one forward pass, and the calls of a loop, pass the same mask function,
 #: or segment ids: building the BlockMask evaluates the mask over every (query, key) pair
 #: (about 30 ms at L = 16k on an H200, more than the attention), so it is built once for them.
-_BUILT: dict[tuple, tuple[tuple, object]] = {}
-_BUILT_SIZE = 16
+_BUILT = Recent(16)
 
 
 def _built_block_mask(
@@ -214,12 +213,7 @@ def _built_block_mask(
         rows,
         device,
     )
-    hit = _BUILT.pop(key, None)  # popped and put back: the most recent last
-    built = build() if hit is None else hit[1]
-    _BUILT[key] = (sources, built)
-    while len(_BUILT) > _BUILT_SIZE:
-        del _BUILT[next(iter(_BUILT))]
-    return built
+    return _BUILT.get(key, build, sources)
 
 
 def _as_given(mask_fn: object, parts: list[MaskFn], b: int, h: int, lq: int, lk: int) -> object | None:

@@ -18,6 +18,7 @@ everything in with no mask at all, and evaluates the mask function only inside t
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,7 @@ __all__ = [
     "BlockMaskFunction",
     "Blocks",
     "block_mask",
+    "Recent",
     "captured_versions",
     "from_flex",
     "is_flex_block_mask",
@@ -110,11 +112,28 @@ def is_flex_block_mask(x: object) -> bool:
     return cls.__name__ == "BlockMask" and cls.__module__.startswith("torch.nn.attention.flex_attention")
 
 
-#: The last BlockMasks converted, (id, target) -> (the BlockMask, its conversion): a BlockMask is built once
-#: and passed to every layer of every call, so converting it once spares each later call the host copies
-#: (a synchronisation on a GPU) and the probe of a new function. Bounded: it keeps 8 BlockMasks alive.
-_FROM_FLEX: dict[tuple[int, tuple[int, int, int, int]], tuple[object, BlockMaskFunction]] = {}
-_FROM_FLEX_SIZE = 8
+class Recent:
+    """The last ``size`` values built, by key, the most recently used kept. Each entry also holds the
+    objects its key names by ``id`` (``alive``), so that no id in a kept key can be reused by another object."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._entries: dict[Hashable, tuple[object, object]] = {}
+
+    def get(self, key: Hashable, build: Callable[[], object], alive: object) -> object:
+        """The value kept for ``key``, or ``build()`` kept for it (evicting the least recently used)."""
+        hit = self._entries.pop(key, None)  # popped and put back: the most recent last
+        value = build() if hit is None else hit[1]
+        self._entries[key] = (alive, value)
+        while len(self._entries) > self.size:
+            del self._entries[next(iter(self._entries))]
+        return value
+
+
+#: The last BlockMasks converted, by (id, target): a BlockMask is built once and passed to every layer of
+#: every call, so converting it once spares each later call the host copies (a synchronisation on a GPU)
+#: and the probe of a new function. Bounded: it keeps 8 BlockMasks alive.
+_FROM_FLEX = Recent(8)
 
 
 def from_flex(block_mask: object, target: tuple[int, int, int, int]) -> BlockMaskFunction:
@@ -125,13 +144,7 @@ def from_flex(block_mask: object, target: tuple[int, int, int, int]) -> BlockMas
     (the last few are kept), outside tracing."""
     if is_tracing():
         return _from_flex(block_mask, target)
-    key = (id(block_mask), target)
-    hit = _FROM_FLEX.pop(key, None)  # popped and put back: the most recent last
-    fn = _from_flex(block_mask, target) if hit is None or hit[0] is not block_mask else hit[1]
-    _FROM_FLEX[key] = (block_mask, fn)
-    while len(_FROM_FLEX) > _FROM_FLEX_SIZE:
-        del _FROM_FLEX[next(iter(_FROM_FLEX))]
-    return fn
+    return _FROM_FLEX.get((id(block_mask), target), lambda: _from_flex(block_mask, target), block_mask)  # type: ignore[return-value]
 
 
 def _from_flex(block_mask: object, target: tuple[int, int, int, int]) -> BlockMaskFunction:

@@ -76,18 +76,24 @@ class _CompilerBroke(InductorError):
         Exception.__init__(self, "NoValidChoicesError: No choices to select")
 
 
+def _compiler_raising(err):
+    """A stand-in for ``flex._compiled_flex`` whose compiled function raises ``err``."""
+
+    def compiled():
+        def run(**kw):
+            raise err
+
+        return run
+
+    return compiled
+
+
 @pytest.mark.filterwarnings("ignore:.*backward.*")
 def test_a_compile_failure_runs_flex_eagerly_once_warned(monkeypatch):
     """torch's compiler failing on a call (as inductor did on an H200 for some grouped-query shapes): the
     call is answered by eager FlexAttention, with the same meaning, and one warning naming the shape."""
 
-    def broken():
-        def run(**kw):
-            raise _CompilerBroke()
-
-        return run
-
-    monkeypatch.setattr(flex_mod, "_compiled_flex", broken)
+    monkeypatch.setattr(flex_mod, "_compiled_flex", _compiler_raising(_CompilerBroke()))
     monkeypatch.setattr(FlexBackend, "_on_cpu", lambda self, call: False)  # the GPU route, on the CPU
     flex_mod._warn_once.cache_clear()
     q, k, v = _qkv(seed=1)
@@ -103,13 +109,7 @@ def test_a_compile_failure_runs_flex_eagerly_once_warned(monkeypatch):
 
 
 def test_other_errors_are_not_swallowed(monkeypatch):
-    def broken():
-        def run(**kw):
-            raise RuntimeError("CUDA out of memory")
-
-        return run
-
-    monkeypatch.setattr(flex_mod, "_compiled_flex", broken)
+    monkeypatch.setattr(flex_mod, "_compiled_flex", _compiler_raising(RuntimeError("CUDA out of memory")))
     monkeypatch.setattr(FlexBackend, "_on_cpu", lambda self, call: False)
     with torch.no_grad(), pytest.raises(RuntimeError, match="out of memory"):
         FlexBackend()(prepare(*_qkv(), mask=masks.sliding_window_fn(8), causal=True))

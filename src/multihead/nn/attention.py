@@ -428,7 +428,7 @@ class MultiHeadAttention(nn.Module):
         if self.rotary is not None:
             q = self.rotary(q, positions=at.expand(b, lq))  # (B, H, Lq, Dk)
             k = self.rotary(k, positions=at.expand(b, lq))  # (B, Hkv, Lq, Dk)
-        k, v = cache.update(k, v)  # (B, Hkv, max_len, Dk), (B, Hkv, max_len, Dv)
+        k, v = cache.update(k, v, positions=at)  # (B, Hkv, max_len, Dk), (B, Hkv, max_len, Dv)
         seen = (at + 1) if causal else (at[-1:] + 1).expand(lq)  # (Lq,) keys each query sees
         return q, k, v, seen.expand(b, lq), False
 

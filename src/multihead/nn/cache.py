@@ -167,13 +167,15 @@ class KVCache:
             )
         return c
 
-    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    def update(self, k: Tensor, v: Tensor, *, positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Add this step's ``k`` (B, Hkv, Lnew, Dk) and ``v`` (B, Hkv, Lnew, Dv); return all keys/values.
 
         A dynamic cache copies ``k``/``v`` into its storage at positions [L, L + Lnew) and returns views
         (B, Hkv, L + Lnew, Dk) and (B, Hkv, L + Lnew, Dv) -- equal to ``torch.cat`` of everything
         appended so far, without copying what is already cached. A static cache stores ``k``/``v`` once
-        and returns them; updating a filled static cache is an error.
+        and returns them; updating a filled static cache is an error. A fixed-shape cache writes at
+        ``positions`` (Lnew,), what :meth:`next_positions` gave for this step when the caller already has
+        them (else it computes them), and returns the whole storage.
         """
         if self._children:
             raise ValueError(
@@ -194,7 +196,7 @@ class KVCache:
             self._k, self._v, self._len = k, v, k.shape[2]
             return k, v
         if self.fixed_shape:
-            return self._write_fixed(k, v)
+            return self._write_fixed(k, v, positions)
         start, new = self._len, k.shape[2]
         if start == 0:
             self._allocate_for(k, v)
@@ -228,9 +230,9 @@ class KVCache:
             _static_address(self._pos)
         return self._pos + torch.arange(new, device=device)  # (Lnew,)
 
-    def _write_fixed(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Fixed shape: write k/v (B, Hkv, Lnew, D) at :meth:`next_positions`, in place; return the whole
-        storage (B, Hkv, max_len, Dk), (B, Hkv, max_len, Dv)."""
+    def _write_fixed(self, k: Tensor, v: Tensor, at: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Fixed shape: write k/v (B, Hkv, Lnew, D) in place at ``at`` (Lnew,), :meth:`next_positions` unless
+        given; return the whole storage (B, Hkv, max_len, Dk), (B, Hkv, max_len, Dv)."""
         if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
             raise ValueError(
                 "a fixed_shape KVCache is for decoding and keeps no gradients; run the steps under "
@@ -238,7 +240,7 @@ class KVCache:
             )
         new, cap = k.shape[2], self.max_len
         assert cap is not None
-        at = self.next_positions(new, k.device)  # (Lnew,)
+        at = self.next_positions(new, k.device) if at is None else at  # (Lnew,)
         if self._k is None or self._fresh:  # the first step since construction or reset()
             self._allocate_for(k, v)
             self._fresh = False

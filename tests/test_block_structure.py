@@ -253,6 +253,83 @@ def test_flex_builds_a_block_mask_once_for_the_same_sources(monkeypatch):
         torch.testing.assert_close(out.double(), want, atol=2e-6, rtol=2e-5)
 
 
+def _packed(length: int, seed: int, gen: torch.Generator, padded: bool = False) -> torch.Tensor:
+    """(L,) ids of documents of 1..300 tokens packed in a row, the last up to 150 of them -1 when ``padded``."""
+    sizes = torch.randint(1, 301, (length,), generator=gen)
+    ids = torch.repeat_interleave(torch.arange(length), sizes)[:length]
+    if padded:
+        ids[length - int(torch.randint(0, 151, (1,), generator=gen)) :] = -1
+    return ids
+
+
+@pytest.mark.parametrize(
+    "lq, lk, causal, padded",
+    [(1000, 1000, True, False), (1000, 1000, False, True), (777, 1300, True, True), (128, 128, True, False),
+     (300, 200, False, False), (1, 513, True, True)],
+)  # fmt: skip
+def test_segment_tiles_are_create_block_masks_tables(lq, lk, causal, padded):
+    """Packed ids (never decreasing along a row): the tiles read off the ids' ranges are exactly the
+    tables create_block_mask builds by evaluating the mask over every pair."""
+    from multihead.core.backends.flex import _segments_block_mask
+
+    gen = torch.Generator().manual_seed(lq + lk)
+    q_ids = torch.stack([_packed(lq, s, gen, padded) for s in range(2)])
+    kv_ids = q_ids if lq == lk else torch.stack([_packed(lk, s, gen, padded) for s in range(2)])
+    rule = mh.masks.and_masks(
+        mh.masks.segments_fn(q_ids, kv_ids), *([mh.masks.causal_fn(lq, lk)] if causal else [])
+    )
+
+    def mod(b, h, i, j):
+        return rule(b, h, i, j)
+
+    mine = _segments_block_mask(flex, (q_ids, kv_ids), causal, mod)
+    theirs = flex.create_block_mask(mod, 2, None, lq, lk, device="cpu")
+    for table in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
+        assert torch.equal(getattr(mine, table), getattr(theirs, table)), table
+    assert torch.equal(mine.to_dense(), theirs.to_dense())
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 400), st.integers(1, 400), st.booleans(), st.integers(0, 2**31 - 1))
+def test_segment_tiles_never_drop_an_allowed_pair_for_any_ids(lq, lk, causal, seed):
+    """Any ids (shuffled, negative, repeated): every allowed pair lies in a listed tile, and a tile called
+    full allows every one of its pairs."""
+    from multihead.core.masks.blocks import segment_tiles
+
+    gen = torch.Generator().manual_seed(seed)
+    q_ids, kv_ids = torch.randint(-1, 4, (2, lq), generator=gen), torch.randint(-1, 4, (2, lk), generator=gen)
+    partial, full = segment_tiles(q_ids, kv_ids, lk - lq if causal else None, 32, 48)
+    keep = (q_ids[:, :, None] == kv_ids[:, None, :]) & (q_ids[:, :, None] >= 0)  # (B, Lq, Lk)
+    if causal:
+        keep &= torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + lk - lq
+    tile = (partial | full).repeat_interleave(32, 1).repeat_interleave(48, 2)[:, :lq, :lk]
+    assert not bool((keep & ~tile).any())
+    whole = full.repeat_interleave(32, 1).repeat_interleave(48, 2)[:, :lq, :lk]
+    assert not bool((whole & ~keep).any())
+    assert not bool((partial & full).any())
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_flex_builds_packed_documents_block_mask_from_the_ids(monkeypatch):
+    """segment_ids on the flex path: the BlockMask comes from the ids' tile ranges (no create_block_mask
+    pass over every pair), new ids get a new one, and the result is the reference's."""
+    from multihead.core.backends.flex import FlexBackend
+
+    gen = torch.Generator().manual_seed(6)
+    n = 300
+    q, k, v = (torch.randn(2, 2, n, 16, generator=gen) for _ in range(3))
+    built = []
+    monkeypatch.setattr(flex, "create_block_mask", lambda *a, **kw: built.append(a))
+    backend = FlexBackend(compiled=False)
+    for padded in (False, True):
+        ids = torch.stack([_packed(n, s, gen, padded) for s in range(2)])
+        with torch.no_grad():
+            got, _ = backend(prepare(q, k, v, segment_ids=ids, causal=True))
+        want = mh.attention_reference(q.double(), k.double(), v.double(), segment_ids=ids, causal=True)
+        torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=2e-5)
+    assert built == []
+
+
 def test_a_block_mask_is_converted_once_per_call_shape():
     """Every layer of every call passes the same BlockMask: it is read (host copies, a probe) once."""
     from multihead.core.masks.blocks import _FROM_FLEX, from_flex

@@ -4,7 +4,8 @@ cannot skip or express.
 Everything that forbids keys becomes one ``mask_mod`` -- the AND of the dense mask (read by index), the
 user's mask function, the segment-id rule and bottom-right causality -- from which ``create_block_mask``
 builds a block mask, so whole blocks that a sliding window, a causal band, key padding or packed
-sequences forbid are never computed; no dense (Lq, Lk) mask is built by this library. Softcap, a dense
+sequences forbid are never computed; no dense (Lq, Lk) mask is built by this library. Packed documents
+alone (with causality) get theirs read off the ids' tile ranges instead, without a pass over every pair. Softcap, a dense
 bias and a bias function become one ``score_mod``. Sinks use the returned log-sum-exp: with
 ``lse`` over the real keys, ``out * sigmoid(lse - sink[h])`` is exactly the output with the sink in the
 denominator. The kernel is compiled by ``torch.compile`` (Triton) on first use for each shape. On the CPU it serves
@@ -41,7 +42,7 @@ from torch import Tensor
 
 from ..checks import is_tracing
 from ..masks import BiasFn, MaskFn, and_masks, causal_fn, segments_fn, tensor_fn
-from ..masks.blocks import Recent, captured_versions
+from ..masks.blocks import Recent, captured_versions, segment_tiles
 from ._common import DENSE_LIMIT, zero_dead_rows
 from .base import AttentionCall, Backend, Deferral
 from .flex_cpu import CpuFlex
@@ -195,12 +196,15 @@ def _built_block_mask(
     identity and version) and the call's rows are the same; built every call under tracing, and when a
     dense mask tensor is part of it (normalisation makes a new one per call, and the cache would keep
     tensors of (Lq, Lk) alive)."""
-    mask_mod = and_masks(*parts)
+    both = and_masks(*parts)
+
+    def mask_mod(bi: Tensor, hi: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return both(bi, hi, i, j)
 
     def build() -> object:
-        return flex.create_block_mask(  # type: ignore[attr-defined]
-            lambda bi, hi, i, j: mask_mod(bi, hi, i, j), *rows, device=device
-        )
+        if m.segments is not None and m.mask is None and m.mask_fn is None:
+            return _segments_block_mask(flex, m.segments, m.causal, mask_mod)
+        return flex.create_block_mask(mask_mod, *rows, device=device)  # type: ignore[attr-defined]
 
     if is_tracing() or m.mask is not None:
         return build()
@@ -214,6 +218,33 @@ def _built_block_mask(
         device,
     )
     return _BUILT.get(key, build, sources)
+
+
+#: FlexAttention's default tile (queries x keys), the one ``create_block_mask`` builds.
+FLEX_BLOCK = 128
+
+
+def _segments_block_mask(
+    flex: object, segments: tuple[Tensor, Tensor], causal: bool, mask_mod: MaskFn
+) -> object:
+    """The BlockMask of packed documents (and bottom-right causality), built from the ids' tile ranges
+    (:func:`~multihead.core.masks.blocks.segment_tiles`) instead of evaluating ``mask_mod`` over every
+    (query, key) pair: the same tables as ``create_block_mask`` for ids that never decrease along a row, in
+    a few small operations with no host synchronisation -- new ids every training step cost no (Lq, Lk)
+    pass."""
+    q_ids, kv_ids = segments  # (B, Lq), (B, Lk)
+    lq, lk = q_ids.shape[1], kv_ids.shape[1]
+    partial, full = segment_tiles(q_ids, kv_ids, lk - lq if causal else None, FLEX_BLOCK, FLEX_BLOCK)
+
+    def tables(
+        t: Tensor,
+    ) -> tuple[Tensor, Tensor]:  # (B, nq, nk) -> (B, 1, nq) counts, (B, 1, nq, nk) listed first
+        order = torch.argsort(t.to(torch.uint8), dim=-1, descending=True, stable=True)
+        return t.sum(-1, dtype=torch.int32)[:, None], order.to(torch.int32)[:, None]
+
+    return flex.BlockMask.from_kv_blocks(  # type: ignore[attr-defined]
+        *tables(partial), *tables(full), BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, seq_lengths=(lq, lk)
+    )
 
 
 def _as_given(mask_fn: object, parts: list[MaskFn], b: int, h: int, lq: int, lk: int) -> object | None:

@@ -39,6 +39,7 @@ __all__ = [
     "from_flex",
     "is_flex_block_mask",
     "refine",
+    "segment_tiles",
     "structure",
 ]
 
@@ -175,6 +176,46 @@ def _from_flex(block_mask: object, target: tuple[int, int, int, int]) -> BlockMa
     return BlockMaskFunction(
         block_mask, blocks, mask_mod if uniform else None, f"BlockMask({fn_name(mask_mod)})", bm
     )
+
+
+def _id_ranges(ids: Tensor, size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Per tile of ``size`` positions of ``ids`` (B, L): the smallest and largest id >= 0 (B, n) (``lo >
+    hi`` where the tile has none), and whether every position of the tile holds the one same id >= 0."""
+    b, length = ids.shape
+    n = -(-length // size)
+    pad = n * size - length
+    padded = torch.nn.functional.pad(ids, (0, pad), value=-1).view(b, n, size)  # (B, n, size)
+    valid = padded >= 0
+    big = torch.iinfo(ids.dtype).max
+    lo = torch.where(valid, padded, big).amin(-1)  # (B, n)
+    hi = torch.where(valid, padded, -1).amax(-1)  # (B, n)
+    return lo, hi, valid.all(-1) & (lo == hi)
+
+
+def segment_tiles(
+    q_ids: Tensor, kv_ids: Tensor, causal_offset: int | None, block_q: int, block_k: int
+) -> tuple[Tensor, Tensor]:
+    """``(partial, full)`` (B, nq, nk) bool tiles of packed documents, straight from the ids with no
+    (Lq, Lk) pass: query ``i`` of row ``b`` sees key ``j`` when ``q_ids[b, i] == kv_ids[b, j] >= 0`` (and
+    ``j <= i + causal_offset`` unless that is None). A tile is full when its queries and keys all hold the
+    one same id (and causality allows every pair); it is listed partial when the id ranges of its queries
+    and keys overlap and it is not full -- exact for ids that never decrease along a row (packing), a
+    superset otherwise (the mask function then decides inside). A tile past the end of a sequence is never
+    full, as ``create_block_mask`` pads with forbidden pairs. A few (B, nq, nk) operations, on the ids'
+    device, with no synchronisation."""
+    qlo, qhi, qone = _id_ranges(q_ids, block_q)  # (B, nq)
+    klo, khi, kone = _id_ranges(kv_ids, block_k)  # (B, nk)
+    meet = (qlo[:, :, None] <= khi[:, None, :]) & (klo[:, None, :] <= qhi[:, :, None])  # (B, nq, nk)
+    full = qone[:, :, None] & kone[:, None, :] & (qlo[:, :, None] == klo[:, None, :])
+    if causal_offset is not None:
+        lq, lk = q_ids.shape[1], kv_ids.shape[1]
+        q0 = torch.arange(0, lq, block_q, device=q_ids.device)  # (nq,) first query of each tile
+        k0 = torch.arange(0, lk, block_k, device=q_ids.device)  # (nk,)
+        q_last = torch.clamp(q0 + block_q, max=lq) - 1
+        k_last = torch.clamp(k0 + block_k, max=lk) - 1
+        meet = meet & (k0[None, :] <= q_last[:, None] + causal_offset)  # some pair causal
+        full = full & (k_last[None, :] <= q0[:, None] + causal_offset)  # every pair causal
+    return meet & ~full, full
 
 
 def refine(coarse: Blocks, fine: Blocks) -> Blocks:

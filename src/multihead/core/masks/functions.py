@@ -331,7 +331,7 @@ def prefix_lm_fn(prefix: int | Tensor, *, lq: int | None = None, lk: int | None 
 def segments_fn(q_ids: Tensor, kv_ids: Tensor | None = None) -> MaskFunction:
     """Document (packed-sequence) mask from segment ids: query ``i`` of row ``b`` sees key ``j`` when
     ``q_ids[b, i] == kv_ids[b, j]`` and both are >= 0 (a negative id is padding). ``q_ids`` (B, Lq),
-    ``kv_ids`` (B, Lk) (default: ``q_ids``). ids = [[0, 0, 1, -1]]::
+    ``kv_ids`` (B, Lk) (default: ``q_ids``), read when the function is made. ids = [[0, 0, 1, -1]]::
 
         1 1 0 0
         1 1 0 0
@@ -356,9 +356,13 @@ def segments_fn(q_ids: Tensor, kv_ids: Tensor | None = None) -> MaskFunction:
             )
             raise ValueError(f"{name} must be an int tensor of shape (B, L), got {got}")
 
+    # padding as -1 among the queries and -2 among the keys: then equal ids alone decide, one comparison
+    # per pair (read here, once: an in-place change of the ids later is not seen)
+    q_key = q_ids.long().masked_fill(q_ids < 0, -1)  # (B, Lq)
+    kv_key = kv_ids.long().masked_fill(kv_ids < 0, -2)  # (B, Lk)
+
     def segments(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        qi, ki = q_ids[b, q_idx], kv_ids[b, kv_idx]  # (B, 1, Lq, 1), (B, 1, 1, Lk)
-        return (qi == ki) & (qi >= 0) & (ki >= 0)
+        return q_key[b, q_idx] == kv_key[b, kv_idx]  # (B, 1, Lq, 1) == (B, 1, 1, Lk)
 
     return MaskFunction(segments, "segments")
 

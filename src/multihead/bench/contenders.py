@@ -252,6 +252,9 @@ def window_function(w: int, form: str = "lambda") -> Callable[[Tensor, Tensor, T
 
 def _ours_attention(case: Case, device: torch.device) -> Step:
     q, k, v = _qkv(case, device)
+    if case.mask_form == "new ids":  # segment ids new on every call, as each training step's are
+        ids = mask_of(case.mask, "segments", case.length, device)["segment_ids"]
+        return _step(lambda: attention(q, k, v, segment_ids=ids.clone(), causal=True), case, [q, k, v])  # type: ignore[union-attr]
     if case.mask:  # a mask case: the mask as the case's form gives it (lambda, library, segments, BlockMask)
         kw = mask_of(case.mask, case.mask_form, case.length, device)
         return _step(lambda: attention(q, k, v, **kw), case, [q, k, v])  # type: ignore[arg-type]

@@ -21,7 +21,7 @@ from .contenders import Step
 from .measure import Settings, interleaved
 from .stats import Spread, per_round_ratio, spread
 
-__all__ = ["PAIR_SETTINGS", "Machine", "PairTiming", "machine", "time_pair"]
+__all__ = ["PAIR_SETTINGS", "Machine", "PairTiming", "cpu_words", "machine", "time_pair"]
 
 
 class Machine(NamedTuple):
@@ -51,6 +51,13 @@ def machine() -> Machine:
     return Machine(
         cpu or platform.processor() or platform.machine(), os.cpu_count() or 1, torch.get_num_threads(), load
     )
+
+
+def cpu_words() -> str:
+    """``"AMD EPYC, x86_64, torch's AVX512 kernels"``: the CPU model and the kernels torch picked for it
+    (``ATEN_CPU_CAPABILITY`` may force others), which decide what a CPU timing measured."""
+    capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "unknown")()
+    return f"{machine().cpu}, {platform.machine()}, torch's {capability} kernels"
 
 
 PAIR_SETTINGS = Settings(warmup=2, min_rounds=7, max_rounds=41, budget_s=10.0)

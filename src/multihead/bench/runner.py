@@ -9,7 +9,6 @@ attention gets its process group.
 
 from __future__ import annotations
 
-import platform
 import time
 from dataclasses import dataclass, field, replace
 
@@ -19,6 +18,7 @@ from ..progress import Progress
 from .cases import Case, Run, Suite, Sweep, flops
 from .contenders import CONTENDERS, Step, build, matmul_step
 from .measure import Settings, available_bytes, interleaved, peak_memory, track_cpu_memory
+from .pair import cpu_words
 from .records import Check, Result
 from .stats import Spread, per_round_ratio, spread
 from .targets import evaluate, evaluate_growth
@@ -219,9 +219,7 @@ def run_suite(
     ]
     return Report(
         device=str(device),
-        device_name=torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else platform.processor() or platform.machine(),
+        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_words(),
         torch=torch.__version__,
         threads=torch.get_num_threads(),
         settings=settings._asdict(),

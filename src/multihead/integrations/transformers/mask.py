@@ -11,7 +11,7 @@ from torch import Tensor
 from transformers.masking_utils import causal_mask_function, sdpa_mask
 
 from ...distributed.context import current
-from .models import _check_config
+from .models import _check_config, _trusts_is_causal
 
 # ------------------------------------------------------------------------------------------------
 # The mask function
@@ -53,7 +53,8 @@ def mask_interface(
     Returns, as :func:`attention_forward` takes them:
 
     - a bool (B, 1, Lq, Lk) tensor, True = may attend (transformers' ``sdpa_mask``), or None where a plain
-      causal or full mask needs none; one built for rows without padding (a sliding window) is
+      causal or full mask needs none (a causal one is built where the modules' ``is_causal`` cannot be
+      trusted: :func:`~.models._trusts_is_causal`); one built for rows without padding (a sliding window) is
       remembered (:func:`built_unpadded`), so that :func:`attention_forward` adds the packed sequences
       it finds in ``position_ids``, as it does for causal layers without a mask;
     - for packed sequences (padding-free batches: no padding mask, positions that restart) the index
@@ -84,6 +85,8 @@ def mask_interface(
     if unpadded_square and not allow_is_causal_skip:  # transformers turns the skip off for packed rows
         if _splits_sequences(mask_function, batch_size, q_length, device):  # type: ignore[arg-type]
             return mask_function
+    if allow_is_causal_skip and config is not None and not _trusts_is_causal(config):
+        allow_is_causal_skip = False  # a causal mask, built: the modules' is_causal may say otherwise
     mask = sdpa_mask(
         batch_size=batch_size,
         q_length=q_length,

@@ -399,3 +399,17 @@ def test_requirements_vision_installs_what_the_dev_pins_lack_and_no_torch():
             assert req.specifier.contains(have, prereleases=True), (
                 f"{dist.metadata['Name']} needs {req}, has {have}"
             )
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_a_module_registered_under_two_names_is_converted_once_and_stays_shared(inplace):
+    """named_children() lists a shared child once; the second name must get the same drop-in too."""
+    shared = nn.MultiheadAttention(16, 4, batch_first=True)
+    model = nn.ModuleDict({"a": shared, "b": shared, "layer": nn.TransformerEncoderLayer(16, 4, 32)})
+    model.layer.self_attn = shared  # and once more, inside a torch layer
+    out = convert(model, inplace=inplace)
+    assert type(out["a"]) is MultiheadAttention
+    assert out["b"] is out["a"] and out["layer"].self_attn is out["a"]
+    back = revert(out, inplace=inplace)
+    assert type(back["a"]) is nn.MultiheadAttention
+    assert back["b"] is back["a"] and back["layer"].self_attn is back["a"]

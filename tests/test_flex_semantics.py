@@ -183,3 +183,19 @@ def test_a_function_that_returns_the_wrong_thing_gets_a_value_error_saying_what(
     q = k = v = torch.randn(1, 1, 4, 8)
     with pytest.raises(ValueError, match=match):
         mh.attention(q, k, v, mask=fn)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_score_mod_passed_as_bias_or_mask_is_refused_with_the_way_to_pass_it():
+    """attention-gym's score_mods take (score, b, h, q_idx, kv_idx); a bias or mask takes (b, h, q_idx, kv_idx)."""
+    mods = pytest.importorskip("attn_gym.mods")
+    alibi = mods.generate_alibi_bias(H)
+    q = k = v = torch.randn(1, H, 6, 8)
+    for kind in ("bias", "mask"):
+        with pytest.raises(ValueError, match=f"{kind} function 'alibi_mod'.*score_mod.*score_mod\\(0"):
+            mh.attention(q, k, v, **{kind: alibi})
+    with pytest.raises(ValueError, match="softcap="):
+        mh.attention(q, k, v, bias=mods.generate_tanh_softcap(5.0))
+    # the way the error gives: an additive score_mod at score 0 is its bias, equal to flex_attention's result
+    got = mh.attention(q, k, v, bias=lambda b, h, q_idx, kv_idx: alibi(0.0, b, h, q_idx, kv_idx))
+    torch.testing.assert_close(got, flex.flex_attention(q, k, v, score_mod=alibi), atol=2e-6, rtol=2e-5)

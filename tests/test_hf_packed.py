@@ -18,18 +18,16 @@ V = 50
 LENGTHS = (5, 3, 6)
 
 
+def _config(config_class, **extra):
+    """A tiny decoder config: 2 layers, 4 query heads over 2 key/value heads."""
+    sizes = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, max_position_embeddings=32)
+    return config_class(vocab_size=V, num_attention_heads=4, num_key_value_heads=2, **sizes, **extra)
+
+
 @pytest.fixture(scope="module")
 def llama():
     torch.manual_seed(0)
-    config = T.LlamaConfig(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=37,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
+    config = _config(T.LlamaConfig)
     return T.AutoModelForCausalLM.from_config(config, attn_implementation=NAME).eval()
 
 
@@ -138,3 +136,31 @@ def test_a_forward_passes_packing_is_found_once_and_found_again_when_positions_c
     starts = torch.tensor([0, 6])  # cu_seq_lens_q of one sequence: nothing to separate
     assert _segments({"cu_seq_lens_q": starts}, 1, 6) is None
     assert _segments({"cu_seq_lens_q": torch.tensor([0, 2, 6])}, 1, 6).tolist() == [[0, 0, 1, 1, 1, 1]]
+
+
+def _sliding(config_class, **extra):
+    return _config(config_class, head_dim=8, sliding_window=3, **extra)
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        "mistral",  # every layer a window: transformers builds a dense window mask when a cache is on
+        "gpt_oss",  # alternating windows and sinks: transformers never looks for packing (no position_ids)
+    ],
+)
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_packed_sliding_window_rows_stay_apart(family, use_cache):
+    config = {
+        "mistral": lambda: _sliding(T.MistralConfig),
+        "gpt_oss": lambda: _sliding(T.GptOssConfig, num_local_experts=4, num_experts_per_tok=2),
+    }[family]()
+    config._experts_implementation = "eager"
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(config, attn_implementation=NAME).eval()
+    rows = _rows()
+    packed = T.DataCollatorWithFlattening()([{"input_ids": r} for r in rows])
+    with torch.no_grad():
+        want = model(**_padded(rows)).loss
+        got = model(**packed, use_cache=use_cache).loss
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)

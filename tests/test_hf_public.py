@@ -277,3 +277,15 @@ def test_hugging_face_modules_get_no_attributes_from_multihead():
             model(ids)
     assert cap.names() == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
     assert {name: set(vars(m)) for name, m in model.named_modules()} == before
+
+
+def test_private_attention_modules_still_look_up_all_attention_functions():
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    assert mhtf.internals._calls_attention_interface(T5Attention), (
+        f"{VERSION}: attention modules no longer name ALL_ATTENTION_FUNCTIONS in forward; T5's attention "
+        f"(recorded only through its wrapper) is invisible to the head tools -- update the adapter"
+    )
+    assert mhtf.internals._calls_attention_interface(LlamaAttention)
+    assert not mhtf.internals._calls_attention_interface(LlamaDecoderLayer)

@@ -79,7 +79,11 @@ class _Walk:
             if self.left_alone(m):
                 self.skipped.append(f"{_shown(name)} ({type(m).__module__}.{type(m).__qualname__})")
             else:
-                for child_name, child in m.named_children():
+                # every name of every child: named_children() lists a child registered under two names
+                # once, and its second name would keep the old module
+                for child_name, child in m._modules.items():
+                    if child is None:
+                        continue
                     replaced = self.visit(child, f"{name}.{child_name}" if name else child_name)
                     if replaced is not child:
                         self.pending.append((m, child_name, replaced))

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from ..checks import broadcastable, is_tracing
 from .dense import index_grid, to_bias
-from .functions import check_callable, fn_name
+from .functions import check_callable, check_signature, fn_name
 
 __all__ = [
     "DeadRows",
@@ -141,6 +141,7 @@ def how_to_call(
         return _MODES[fn]
     except (KeyError, TypeError):  # not seen yet, or not weak-referenceable (then probed every call)
         pass
+    check_signature(fn, kind)
     if 0 in target:
         return True
     idx = _probe_index(target, device)

@@ -14,6 +14,7 @@ the bottom right when given ``lq``/``lk`` (``j <= i + (Lk - Lq)``), else it uses
 
 from __future__ import annotations
 
+import inspect
 import operator
 from collections.abc import Callable
 
@@ -34,6 +35,7 @@ __all__ = [
     "and_masks",
     "causal_fn",
     "check_callable",
+    "check_signature",
     "chunked_fn",
     "fn_name",
     "or_masks",
@@ -67,6 +69,49 @@ def check_callable(fn: object, kind: str) -> None:
             f"a {kind} function must be callable as fn(b, h, q_idx, kv_idx), got {type(fn).__name__}; "
             f"a dense tensor becomes one with multihead.masks.tensor_fn(t)"
         )
+
+
+def check_signature(fn: Callable[..., object], kind: str) -> None:
+    """Refuse a ``kind`` function that cannot be called as ``fn(b, h, q_idx, kv_idx)``, before it runs.
+
+    The common case is FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx) -> new score`` (attention-gym's
+    ``attn_gym.mods``) passed where a bias or mask goes: the error says how to pass it. A callable whose
+    signature Python cannot read (some builtins) is left to the call itself.
+    """
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(0, 0, 0, 0)
+        return
+    except TypeError:
+        pass
+    how = (
+        "a score_mod that adds a term to the score (ALiBi, relative positions, score + f(b, h, q_idx, kv_idx)) "
+        "is that term at score 0: bias=lambda b, h, q_idx, kv_idx: score_mod(0.0, b, h, q_idx, kv_idx); "
+        "tanh soft-capping is softcap=c; other score_mods have no equivalent here"
+    )
+    takes_score = len(signature.parameters) == 5 and not any(
+        p.kind in (p.VAR_POSITIONAL, p.KEYWORD_ONLY) for p in signature.parameters.values()
+    )
+    what = (
+        "a FlexAttention score_mod (score, b, h, q_idx, kv_idx) -> new score"
+        if takes_score
+        else "not 4 indices"
+    )
+    if not takes_score:
+        how = "give it the four index parameters (b, h, q_idx, kv_idx), unused ones included"
+    raise ValueError(
+        f"the {kind} function {fn_name(fn)!r} has the signature {signature}: {what}. A {kind} is called as "
+        f"fn(b, h, q_idx, kv_idx) -> "
+        + (
+            "a bool tensor, True = may attend (a mask_mod)"
+            if kind == "mask"
+            else "the term added to the score"
+        )
+        + f"; {how}"
+    )
 
 
 class MaskFunction:

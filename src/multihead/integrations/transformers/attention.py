@@ -16,6 +16,7 @@ from ...core.options import AttentionOptions
 from ...distributed.context import current
 from ...nn import seam
 from .internals import _recording_attentions
+from .mask import built_unpadded
 from .models import _check_config
 
 # ------------------------------------------------------------------------------------------------
@@ -188,6 +189,8 @@ def attention_forward(
         segment_ids = _segments(kwargs, query.shape[0], lq) if lq == lk else None  # (B, L)
     elif attention_mask.dtype == torch.bool:
         mask = attention_mask  # (B|1, 1, Lq, Lk)
+        if lq == lk and built_unpadded(attention_mask):  # a window over rows that may be packed
+            segment_ids = _segments(kwargs, query.shape[0], lq)  # (B, L) | None
     else:
         floor = torch.finfo(attention_mask.dtype).min
         bias = attention_mask.masked_fill(attention_mask <= floor, float("-inf"))  # (B|1, 1, Lq, Lk)

@@ -16,6 +16,7 @@ from transformers import PreTrainedModel
 
 from ...heads.naming import register_family
 from ...heads.prune import head_rows
+from .internals import _calls_attention_interface
 from .models import check_model
 from .registry import is_registered
 
@@ -75,18 +76,26 @@ ARCHITECTURES: dict[str, Arch] = {
 """Attention class name -> its :class:`Arch`: the classes :func:`multihead.heads.prune` can shrink."""
 
 
-_RECORDED: dict[type, bool] = {}  # module class -> whether a model records its attention weights
+CROSS_NAMES = ("encoder_attn", "EncDecAttention", "crossattention", "cross_attn", "cross_attention")
+"""Module-name parts transformers' families give cross-attention (BART/Whisper, T5, BERT, ...): a module
+whose name has one is ``"cross"`` to the inspection tools, whatever else its name says."""
+
+
+_RECORDED: dict[type, bool] = {}  # module class -> whether it is an attention class (see below)
 
 
 def _recorded_attention_classes(module_class: type) -> bool:
-    """Whether the models of ``module_class``'s modeling file record attention weights from it.
+    """Whether ``module_class`` is an attention class: the models of its modeling file record attention
+    weights from it, or its forward calls transformers' attention functions itself.
 
     transformers' documented output recording: each model declares in ``_can_record_outputs`` (read by
     ``PreTrainedModel.can_record_outputs``) which module classes produce its ``attentions`` (and
-    ``cross_attentions``, ...): exactly the modules that call the attention function.
+    ``cross_attentions``, ...), mostly the modules that call the attention function. Some families
+    record a wrapper instead (T5, mT5, UMT5, LongT5, SAM, Swin, ...): their attention class is found by
+    its call (:func:`~.internals._calls_attention_interface`).
     """
     if module_class not in _RECORDED:
-        found = False
+        found = _calls_attention_interface(module_class)
         for obj in list(vars(sys.modules.get(module_class.__module__, object)).values()):
             if isinstance(obj, type) and issubclass(obj, PreTrainedModel):
                 recordable = getattr(obj, "_can_record_outputs", None) or {}
@@ -170,7 +179,7 @@ class TransformersFamily:
     def heads(self, module: nn.Module) -> tuple[int, int]:
         arch = ARCHITECTURES.get(type(module).__name__)
         if arch is None:  # an architecture without a record: read what the module or its config says
-            for attr in ("num_heads", "num_attention_heads"):
+            for attr in ("num_heads", "num_attention_heads", "n_heads"):
                 if isinstance(getattr(module, attr, None), int):
                     h = getattr(module, attr)
                     break
@@ -187,7 +196,8 @@ class TransformersFamily:
 
     def kind(self, name: str, module: nn.Module) -> str | None:
         arch = ARCHITECTURES.get(type(module).__name__)
-        if arch is not None and name.rsplit(".", 1)[-1] in arch.cross:
+        cross = CROSS_NAMES + (arch.cross if arch is not None else ())
+        if any(part in cross for part in name.split(".")):
             return "cross"
         return None
 

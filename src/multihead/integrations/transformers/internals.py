@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Any
 
@@ -26,6 +27,20 @@ def _routes_through_interface(model_class: type) -> bool:
             f"which multihead reads to refuse models that bypass AttentionInterface; multihead needs an update"
         )
     return bool(check())
+
+
+def _calls_attention_interface(module_class: type) -> bool:
+    """Whether ``module_class.forward`` looks up transformers' attention functions: it names
+    ``ALL_ATTENTION_FUNCTIONS`` (read from its code object's global names, decorators unwrapped).
+
+    Private: the convention every attention module of transformers' modeling files follows
+    (``ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)``).
+    It finds the attention modules that models record only through a wrapper (T5's ``T5Attention``
+    inside the recorded ``T5LayerSelfAttention``), which ``_can_record_outputs`` does not name.
+    """
+    forward = getattr(module_class, "forward", None)
+    code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
+    return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
 
 
 _COLLECTOR: list[Any] = []  # transformers' collector context variable, once found (None: it moved)

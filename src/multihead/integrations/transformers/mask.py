@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -10,7 +11,7 @@ from torch import Tensor
 from transformers.masking_utils import causal_mask_function, sdpa_mask
 
 from ...distributed.context import current
-from .models import _check_config
+from .models import _check_config, _trusts_is_causal
 
 # ------------------------------------------------------------------------------------------------
 # The mask function
@@ -52,7 +53,10 @@ def mask_interface(
     Returns, as :func:`attention_forward` takes them:
 
     - a bool (B, 1, Lq, Lk) tensor, True = may attend (transformers' ``sdpa_mask``), or None where a plain
-      causal or full mask needs none;
+      causal or full mask needs none (a causal one is built where the modules' ``is_causal`` cannot be
+      trusted: :func:`~.models._trusts_is_causal`); one built for rows without padding (a sliding window) is
+      remembered (:func:`built_unpadded`), so that :func:`attention_forward` adds the packed sequences
+      it finds in ``position_ids``, as it does for causal layers without a mask;
     - for packed sequences (padding-free batches: no padding mask, positions that restart) the index
       function itself, ``fn(b, h, q_idx, kv_idx) -> bool``: nothing (Lq, Lk)-sized is built, and
       :func:`attention_forward` adds the sequences as ``segment_ids``;
@@ -69,20 +73,21 @@ def mask_interface(
         if attention_mask is None or bool(attention_mask.all()):
             return None
         return attention_mask[:, None, None, :].bool()  # (B, 1, 1, L_r)
-    packed = (
+    unpadded_square = (  # rows without padding, queries = keys from position 0 (training, a prefill)
         mask_function is not None
         and attention_mask is None
-        and not allow_is_causal_skip  # transformers turns the causal skip off for packed sequences
         and not use_vmap  # an index function (no overlays that need vmap)
         and isinstance(q_offset, int)
         and isinstance(kv_offset, int)
         and q_offset == kv_offset == 0
         and q_length == kv_length
-        and _splits_sequences(mask_function, batch_size, q_length, device)
     )
-    if packed:
-        return mask_function
-    return sdpa_mask(
+    if unpadded_square and not allow_is_causal_skip:  # transformers turns the skip off for packed rows
+        if _splits_sequences(mask_function, batch_size, q_length, device):  # type: ignore[arg-type]
+            return mask_function
+    if allow_is_causal_skip and config is not None and not _trusts_is_causal(config):
+        allow_is_causal_skip = False  # a causal mask, built: the modules' is_causal may say otherwise
+    mask = sdpa_mask(
         batch_size=batch_size,
         q_length=q_length,
         kv_length=kv_length,
@@ -95,3 +100,22 @@ def mask_interface(
         device=device,
         **kwargs,
     )
+    if unpadded_square and isinstance(mask, Tensor) and not torch.compiler.is_compiling():
+        _remember_unpadded(mask)  # a window (or chunk) mask over rows that may be packed
+    return mask
+
+
+_UNPADDED: list[weakref.ref[Tensor]] = []
+"""The last dense masks :func:`mask_interface` built for rows without padding, queries = keys (a sliding
+window's or a chunk's, which transformers must build densely): rows whose ``position_ids`` restart are
+packed sequences there too, where transformers did not look for them (a cache on, or a model that never
+hands it ``position_ids``). Weak references: a forward pass's masks die with it."""
+
+
+def _remember_unpadded(mask: Tensor) -> None:
+    _UNPADDED[:] = [r for r in _UNPADDED[-3:] if r() is not None] + [weakref.ref(mask)]
+
+
+def built_unpadded(mask: Tensor) -> bool:
+    """Whether ``mask`` is one :func:`mask_interface` built for rows without padding (see ``_UNPADDED``)."""
+    return any(r() is mask for r in _UNPADDED)

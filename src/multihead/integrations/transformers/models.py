@@ -94,3 +94,22 @@ def _config_refusal(config_class: type) -> str | None:
         return None
     names = sorted(refused)
     return _refusal(f"{' / '.join(names)} (the models of {config_class.__name__})", refused[names[0]])
+
+
+_SDPA_FAMILIES: dict[type, bool] = {}  # config class -> whether a model of it declares sdpa support
+
+
+def _trusts_is_causal(config: Any) -> bool:
+    """Whether a causal mask may be skipped (None) and read back from each module's ``is_causal``.
+
+    That is sdpa's contract in transformers (``sdpa_mask`` skips a plain causal mask, the attention reads
+    ``module.is_causal``), run for every family that declares sdpa support. Of those that do not, the
+    decoder-only ones (Gemma 2, gpt-oss: soft-capping and sinks) keep causal modules; an encoder-decoder
+    shares one attention class between encoder, decoder and cross-attention, and PEGASUS-X's decoder
+    self-attention says ``is_causal=False``: there the causal mask is built. Cached per config class.
+    """
+    key = type(config)
+    if key not in _SDPA_FAMILIES:
+        family = [c for c in _subclasses(PreTrainedModel) if getattr(c, "config_class", None) is key]
+        _SDPA_FAMILIES[key] = any(getattr(c, "_supports_sdpa", False) for c in family)
+    return _SDPA_FAMILIES[key] or not getattr(config, "is_encoder_decoder", False)

@@ -89,3 +89,23 @@ def test_a_decoder_whose_self_attention_says_not_causal_still_gets_its_causal_ma
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
         kw = dict(max_new_tokens=4, do_sample=False, decoder_start_token_id=1, pad_token_id=0)
         assert ours.generate(ids, **kw).tolist() == eager.generate(ids, **kw).tolist()
+
+
+def test_beam_search_over_a_left_padded_batch_past_the_window_equals_eager():
+    config = T.MistralConfig(
+        vocab_size=V,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=3,
+        pad_token_id=0,
+    )
+    eager, ours = _pair(T.MistralForCausalLM, config)
+    ids = torch.randint(3, V, (2, 6))
+    keep = torch.ones(2, 6, dtype=torch.long)
+    keep[0, :2] = 0  # left padding; prompt and output both longer than the window
+    kw = dict(attention_mask=keep, max_new_tokens=5, do_sample=False, num_beams=3, pad_token_id=0)
+    with torch.no_grad():
+        assert ours.generate(ids, **kw).tolist() == eager.generate(ids, **kw).tolist()

@@ -108,6 +108,8 @@ MODERN = {
     "gpt_oss (sinks)": (T.GptOssConfig, {}),
     "granite_swa (sinks)": (T.GraniteSwaConfig, {}) if hasattr(T, "GraniteSwaConfig") else None,
     "flint (sinks)": (T.FlintConfig, {}) if hasattr(T, "FlintConfig") else None,
+    "gemma3_text (alternating windows)": (T.Gemma3TextConfig, dict(sliding_window_pattern=2)),
+    "cohere2 (alternating windows)": (T.Cohere2Config, {}),
 }
 MODERN = {k: v for k, v in MODERN.items() if v is not None}
 

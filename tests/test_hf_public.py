@@ -248,7 +248,7 @@ def test_private_auto_model_mapping_still_resolves_classes():
     assert mhtf._model_class_for(T.BertModel, _bert_config()) is T.BertModel
 
 
-def test_attention_modules_are_found_from_recorded_outputs():
+def test_attention_modules_are_found_by_their_call_of_the_attention_functions():
     model = T.AutoModel.from_config(
         T.GPTNeoXConfig(
             vocab_size=V,
@@ -261,7 +261,7 @@ def test_attention_modules_are_found_from_recorded_outputs():
         attn_implementation=NAME,
     )
     assert heads.head_counts(model) == {"layers.0.attention": 4}, (
-        f"{VERSION}: models no longer declare their attention classes in _can_record_outputs"
+        f"{VERSION}: attention modules no longer name ALL_ATTENTION_FUNCTIONS in forward; update the adapter"
     )
 
 

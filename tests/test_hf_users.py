@@ -89,3 +89,42 @@ def test_a_decoder_whose_self_attention_says_not_causal_still_gets_its_causal_ma
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
         kw = dict(max_new_tokens=4, do_sample=False, decoder_start_token_id=1, pad_token_id=0)
         assert ours.generate(ids, **kw).tolist() == eager.generate(ids, **kw).tolist()
+
+
+def test_beam_search_over_a_left_padded_batch_past_the_window_equals_eager():
+    config = T.MistralConfig(
+        vocab_size=V,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=3,
+        pad_token_id=0,
+    )
+    eager, ours = _pair(T.MistralForCausalLM, config)
+    ids = torch.randint(3, V, (2, 6))
+    keep = torch.ones(2, 6, dtype=torch.long)
+    keep[0, :2] = 0  # left padding; prompt and output both longer than the window
+    kw = dict(attention_mask=keep, max_new_tokens=5, do_sample=False, num_beams=3, pad_token_id=0)
+    with torch.no_grad():
+        assert ours.generate(ids, **kw).tolist() == eager.generate(ids, **kw).tolist()
+
+
+def test_swin_heads_are_its_attention_modules_not_the_recorded_stages():
+    """Swin records its weights from SwinStage (a stage of blocks, num_heads a list in the config): the head
+    tools act on the modules that call the attention, one head count per window attention."""
+    config = T.SwinConfig(
+        image_size=8, patch_size=2, embed_dim=8, depths=[1, 1], num_heads=[2, 4], window_size=2
+    )
+    eager, ours = _pair(T.SwinModel, config)
+    names = {"encoder.layers.0.blocks.0.attention": 2, "encoder.layers.1.blocks.0.attention": 4}
+    assert heads.head_counts(ours) == names
+    x = torch.randn(1, 3, 8, 8)
+    with torch.no_grad():
+        want = eager(pixel_values=x, output_attentions=True).attentions
+        with viz.capture(ours) as cap:
+            ours(pixel_values=x)
+    assert cap.names() == list(names)
+    for name, w in zip(names, want):
+        torch.testing.assert_close(cap.get(name), w, rtol=0, atol=1e-6)

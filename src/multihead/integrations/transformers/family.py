@@ -5,14 +5,11 @@ Dimensions: H query heads, Hkv key/value heads, D head dim.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import transformers
 from torch import Tensor, nn
-from transformers import PreTrainedModel
 
 from ...heads.naming import register_family
 from ...heads.prune import head_rows
@@ -81,42 +78,20 @@ CROSS_NAMES = ("encoder_attn", "EncDecAttention", "crossattention", "cross_attn"
 whose name has one is ``"cross"`` to the inspection tools, whatever else its name says."""
 
 
-_RECORDED: dict[type, bool] = {}  # module class -> whether it is an attention class (see below)
+_ATTENTION_CLASSES: dict[type, bool] = {}  # module class -> whether it calls the attention function
 
 
-def _recorded_attention_classes(module_class: type) -> bool:
-    """Whether ``module_class`` is an attention class: the models of its modeling file record attention
-    weights from it, or its forward calls transformers' attention functions itself.
+def _is_attention_class(module_class: type) -> bool:
+    """Whether ``module_class`` calls transformers' attention functions itself: the modules that reach
+    multihead, whose heads the inspection tools act on (cached per class).
 
-    transformers' documented output recording: each model declares in ``_can_record_outputs`` (read by
-    ``PreTrainedModel.can_record_outputs``) which module classes produce its ``attentions`` (and
-    ``cross_attentions``, ...), mostly the modules that call the attention function. Some families
-    record a wrapper instead (T5, mT5, UMT5, LongT5, SAM, Swin, ...): their attention class is found by
-    its call (:func:`~.internals._calls_attention_interface`).
+    Not the classes a model records its weights from (``_can_record_outputs``): many record a wrapper
+    (T5's ``T5LayerSelfAttention``, Swin's ``SwinStage``, SAM's two-way blocks), which never reaches
+    multihead; owning those made capture miss T5's attention and head counts of Swin fail.
     """
-    if module_class not in _RECORDED:
-        found = _calls_attention_interface(module_class)
-        for obj in list(vars(sys.modules.get(module_class.__module__, object)).values()):
-            if isinstance(obj, type) and issubclass(obj, PreTrainedModel):
-                recordable = getattr(obj, "_can_record_outputs", None) or {}
-                for key, targets in recordable.items():
-                    if key.endswith("attentions") and _names_class(targets, module_class):
-                        found = True
-        _RECORDED[module_class] = found
-    return _RECORDED[module_class]
-
-
-def _names_class(targets: Any, module_class: type) -> bool:
-    """Whether a ``_can_record_outputs`` value (class, class name, OutputRecorder, or a list) names it."""
-    if isinstance(targets, (list, tuple)):
-        return any(_names_class(t, module_class) for t in targets)
-    if isinstance(targets, type):
-        return targets is module_class
-    if isinstance(targets, str):
-        return targets == module_class.__name__
-    target = getattr(targets, "target_class", None)
-    name = getattr(targets, "class_name", None)
-    return target is module_class or (name is not None and module_class.__name__.endswith(name))
+    if module_class not in _ATTENTION_CLASSES:
+        _ATTENTION_CLASSES[module_class] = _calls_attention_interface(module_class)
+    return _ATTENTION_CLASSES[module_class]
 
 
 def _out_proj(model: nn.Module, name: str, path: str) -> nn.Module:
@@ -158,7 +133,7 @@ class TransformersFamily:
 
     def owns(self, module: nn.Module) -> bool:
         return isinstance(getattr(module, "config", None), transformers.PretrainedConfig) and (
-            type(module).__name__ in ARCHITECTURES or _recorded_attention_classes(type(module))
+            type(module).__name__ in ARCHITECTURES or _is_attention_class(type(module))
         )
 
     def _arch(self, name: str, module: nn.Module) -> Arch:

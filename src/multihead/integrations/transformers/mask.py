@@ -118,4 +118,6 @@ def _remember_unpadded(mask: Tensor) -> None:
 
 def built_unpadded(mask: Tensor) -> bool:
     """Whether ``mask`` is one :func:`mask_interface` built for rows without padding (see ``_UNPADDED``)."""
+    if torch.compiler.is_compiling():
+        return False  # none is remembered while compiling (see mask_interface)
     return any(r() is mask for r in _UNPADDED)

@@ -346,6 +346,32 @@ def test_a_block_mask_is_converted_once_per_call_shape():
     assert from_flex(bm, (1, 2, 128, 128)) is not first  # the oldest left the bounded cache
 
 
+@pytest.mark.parametrize("change", ["mask_mod set", "captured tensor", "table"])
+def test_a_block_mask_changed_after_use_means_its_new_content(change):
+    """The conversion is reused only while the BlockMask holds the same mask_mod, tables and captured
+    tensors: setting mask_mod on it (as torch's slicing asks), changing a tensor the mask_mod reads, or
+    changing a table in place gives the new meaning, never the first call's."""
+    gen = torch.Generator().manual_seed(7)
+    n = 256
+    q, k, v = (torch.randn(1, 2, n, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    step = torch.tensor(1)
+
+    def strided(b, h, qi, ki):
+        return (qi >= ki) & (ki % step == 0)
+
+    bm = flex.create_block_mask(strided, None, None, n, n, device="cpu", BLOCK_SIZE=64)
+    mh.attention(q, k, v, mask=bm, backend="blocked")  # converted and kept
+    if change == "mask_mod set":
+        bm.mask_mod = lambda b, h, qi, ki: (qi >= ki) & (ki % 3 == 0)
+    elif change == "captured tensor":
+        step.fill_(2)
+    else:
+        bm.kv_num_blocks[0, 0, 2] -= 1  # one partial block of row 2 no longer listed
+    want = mh.attention_reference(q, k, v, mask=_block_semantics(bm, 1, 2, n, n))
+    for backend in ("blocked", "math"):
+        torch.testing.assert_close(mh.attention(q, k, v, mask=bm, backend=backend), want)
+
+
 def test_a_block_mask_for_other_lengths_is_refused_saying_how_to_build_it():
     bm = flex.create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 128, 128, device="cpu")
     q = k = v = torch.randn(1, 1, 100, 8)

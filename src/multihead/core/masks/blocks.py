@@ -131,7 +131,8 @@ class Recent:
         return value
 
 
-#: The last BlockMasks converted, by (id, target): a BlockMask is built once and passed to every layer of
+#: The last BlockMasks converted, by (id, target, and what it holds: its mask_mod and its tables, with
+#: their versions): a BlockMask is built once and passed to every layer of
 #: every call, so converting it once spares each later call the host copies (a synchronisation on a GPU)
 #: and the probe of a new function. Bounded: it keeps 8 BlockMasks alive.
 _FROM_FLEX = Recent(8)
@@ -145,7 +146,16 @@ def from_flex(block_mask: object, target: tuple[int, int, int, int]) -> BlockMas
     (the last few are kept), outside tracing."""
     if is_tracing():
         return _from_flex(block_mask, target)
-    return _FROM_FLEX.get((id(block_mask), target), lambda: _from_flex(block_mask, target), block_mask)  # type: ignore[return-value]
+    bm = block_mask
+    tables = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)  # type: ignore[attr-defined]
+    mask_mod = bm.mask_mod  # type: ignore[attr-defined]
+    key = (
+        id(bm),
+        target,
+        id(mask_mod),  # a mask_mod set on the BlockMask later (as torch's slicing asks) is a new one
+        tuple(None if t is None else (id(t), t._version) for t in tables),  # tables changed or replaced
+    )  # (the mask_mod itself runs live: what it reads may change)
+    return _FROM_FLEX.get(key, lambda: _from_flex(bm, target), (bm, mask_mod, tables))  # type: ignore[return-value]
 
 
 def _from_flex(block_mask: object, target: tuple[int, int, int, int]) -> BlockMaskFunction:

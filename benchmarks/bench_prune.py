@@ -127,7 +127,7 @@ def run_one(corpus: str, frac: str, seed: int, quick: bool, timed: bool) -> dict
             "final_stage": report["quality"]["final_stage"],
             "command_held_out": report["quality"]["final"],
             "external": external_quality(out, held),
-            "recovery": {k: report["recovery"][k] for k in ("steps", "steps_run", "kept_step")},
+            "recovery": {k: report["recovery"][k] for k in ("steps", "steps_run", "kept_step", "lrs_tried")},
             "command_seconds": report["seconds"],
             "load_after": os.getloadavg()[0],
         }
@@ -155,7 +155,7 @@ def _group(records: list[dict]) -> dict[tuple[str, str], list[dict]]:
 def markdown(res: dict) -> str:
     """The results as markdown: the per-corpus table, stage by stage, and the speed."""
     rows = [["corpus", "--heads", "lines (cal. / ext.)", "pruned", "+ refit", "+ recovery", "saved, external held-out (target)",
-             "recovery steps run / kept", "command time"]]  # fmt: skip
+             "recovery steps run / kept (learning rates tried)", "command time"]]  # fmt: skip
     for (corpus, frac), rs in _group(res["records"]).items():
         stage = {s: [next(x for x in r["stages"] if x["stage"] == s)["held_out"] for r in rs] for s in STAGES}
         kept = {
@@ -169,7 +169,8 @@ def markdown(res: dict) -> str:
             f"{_spread(stage['refit'])} (kept {kept['refit']}/{len(rs)})",
             f"{_spread(stage['recovered'])} (kept {kept['recovered']}/{len(rs)})",
             f"**{_spread(ext)}** (>= {TARGETS[frac]}: {verdict})",
-            ", ".join(f"{r['recovery']['steps_run']}/{r['recovery']['kept_step']}" for r in rs),
+            ", ".join(f"{r['recovery']['steps_run']}/{r['recovery']['kept_step']} "
+                      f"({', '.join(f'{lr:g}' for lr in r['recovery']['lrs_tried'])})" for r in rs),
             _spread([r["command_seconds"] for r in rs], ".0f") + f" s ({len(rs)} seeds)",
         ])  # fmt: skip
     timed = [r for r in res["records"] if "timing" in r]
@@ -203,7 +204,9 @@ def markdown(res: dict) -> str:
         "that layer's feed-forward output projection refit so that its residual sum matches the original's "
         "(ridge 0.3 toward its own weights), on the calibration lines plus two random crops of each "
         "(`prune.refit_layers`, `prune.crops`); "
-        "*+ recovery*: distillation toward the original, early-stopped on the validation split.",
+        "*+ recovery*: distillation toward the original, early-stopped on the validation split, at learning "
+        "rate 5e-5, or, when no check of that improved the validation split, again from the refit weights "
+        "at 1e-5 (`prune.RECOVERY_LRS`).",
         "",
         "Quality: Spearman rank correlation of the pruned model's pairwise sentence similarities (cosine of "
         "mean-pooled embeddings) with the original's. Stage columns: on the command's own held-out split "

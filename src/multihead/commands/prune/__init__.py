@@ -18,7 +18,9 @@ Dimensions: B batch, L tokens, E hidden width, V vocabulary, N texts, P = N (N -
    (BERT-family encoders) that layer's feed-forward output projection, ridge-pulled toward its own weights,
    so that the layer's residual sum matches the original's; on the training tokens plus those of two
    random crops of each text (:func:`refit_layers`, :func:`crops`, :mod:`.refit`);
-4. recover: distil toward the original (:mod:`.recover`), stopped early on the validation texts;
+4. recover: distil toward the original (:mod:`.recover`), stopped early on the validation texts, and when
+   no step improved them, tried again from the refit weights at a lower learning rate
+   (:data:`RECOVERY_LRS`);
 5. measure each stage on the validation and held-out texts (a stage is kept only if it improves the
    validation quality), the parameters, and the forward speed of the original against the pruned model in
    interleaved rounds (:mod:`multihead.bench.pair`);
@@ -32,6 +34,7 @@ from .inputs import (
     DEFAULT_RECOVER,
     FEW_TEXTS,
     MIN_TEXTS,
+    RECOVERY_LRS,
     Options,
     PruneError,
     Splits,
@@ -82,6 +85,7 @@ __all__ = [
     "Objective",
     "Options",
     "PruneError",
+    "RECOVERY_LRS",
     "Recovery",
     "Seq2Seq",
     "Splits",

@@ -166,12 +166,13 @@ def _refit(
 
 
 def _recover(job: Job, opts: Options, model: nn.Module, stages: Stages) -> Recovery:
-    """Distil toward the original (:mod:`.recover`), stopped on the validation texts."""
+    """Distil toward the original (:mod:`.recover`), stopped on the validation texts; at the next learning rate
+    of ``opts.lrs`` when no step of one improved them."""
     if not job.steps:
         return Recovery()
-    with Progress(job.steps, "recover", enabled=opts.progress) as bar:
+    with Progress(job.steps * len(opts.lrs), "recover", enabled=opts.progress) as bar:  # at most
         rec = recover(
-            model, job.loaded.model, job.batches["mixed"], job.objective, job.steps, lr=opts.lr, seed=opts.seed,
+            model, job.loaded.model, job.batches["mixed"], job.objective, job.steps, lrs=opts.lrs, seed=opts.seed,
             validate=stages.validate, eval_every=opts.eval_every, patience=opts.patience,
             progress=lambda loss: bar.update(1, loss=f"{loss:.4f}"),
         )  # fmt: skip
@@ -180,7 +181,8 @@ def _recover(job: Job, opts: Options, model: nn.Module, stages: Stages) -> Recov
         "recovered",
         model,
         kept=rec.kept_step > 0,
-        note=f"{len(rec.losses)} steps run, step {rec.kept_step} kept",
+        note=f"{len(rec.losses)} steps run (learning rate {', '.join(f'{lr:g}' for lr in rec.lrs)}), step "
+        f"{rec.kept_step} kept",
     )
     return rec
 
@@ -212,6 +214,7 @@ def _report(job: Job, opts: Options, model: nn.Module, removed: dict, stages: St
             "steps": job.steps,
             "steps_run": len(rec.losses),
             "kept_step": rec.kept_step,
+            "lrs_tried": rec.lrs,
             "checks": rec.checks,
             "loss_first_last": [rec.losses[0], rec.losses[-1]] if rec.losses else None,
         },  # fmt: skip

@@ -20,6 +20,7 @@ __all__ = [
     "FEW_TEXTS",
     "MIN_TEXTS",
     "Options",
+    "RECOVERY_LRS",
     "PruneError",
     "Splits",
     "check_out",
@@ -35,6 +36,11 @@ DEFAULT_RECOVER = 240
 """Default recovery steps (at most: it stops early once the validation texts stop improving)."""
 
 MIN_HELD_OUT = 8  # texts the reported quality is measured on (28 pairs for the Spearman of similarities)
+RECOVERY_LRS = (5e-5, 1e-5)
+"""Recovery's learning rates, tried in turn until one improves the validation quality
+(:func:`multihead.commands.prune.recover`). 2e-4 undid the refit (validation fell by 0.06 in 40 steps);
+5e-5 improves it at ``--heads`` 0.5 on all-MiniLM-L6-v2, but after the refit at 0.25 none of its steps
+did, where 1e-5 does (``benchmarks/results/prune.md``)."""
 MIN_VALIDATION = 4  # texts that choose between stages and stop recovery
 MIN_TRAIN = 8  # texts that choose the heads, refit and recover on
 MIN_TEXTS = MIN_HELD_OUT + MIN_VALIDATION + MIN_TRAIN
@@ -61,7 +67,7 @@ class Options:
     recover: int | str | None = None  # None: DEFAULT_RECOVER
     truncate: bool = False
     batch_size: int = 16
-    lr: float = 5e-5  # recovery: 2e-4 undid the refit (validation fell by 0.06 in 40 steps); 5e-5 improved it
+    lrs: tuple[float, ...] = RECOVERY_LRS  # recovery's learning rates, tried in turn until one helps
     held_out: float = 0.2  # of the texts, measured on only (the report's quality)
     validation: float = 0.1  # of the texts, to choose between stages and stop recovery early
     refit_texts: int = 1024  # training texts the heads are chosen and the projections refit on (at most)

@@ -18,12 +18,14 @@ _CACHE_BYTES = 512 * 2**20  # teacher outputs kept between recovery steps up to 
 
 @dataclass
 class Recovery:
-    """What recovery did: the loss of each step, the validation checks ``(step, quality)`` and the step
-    whose weights were kept (the best check; 0 = the starting weights)."""
+    """What recovery did: the loss of each step run (every learning rate tried, in order), the learning
+    rates tried, and of the last try its validation checks ``(step, quality)`` and the step whose weights
+    were kept (the best check; 0 = the starting weights)."""
 
     losses: list[float] = field(default_factory=list)
     checks: list[tuple[int, float]] = field(default_factory=list)
     kept_step: int = 0
+    lrs: list[float] = field(default_factory=list)
 
 
 def recover(
@@ -33,28 +35,56 @@ def recover(
     objective: Objective,
     steps: int,
     *,
-    lr: float,
+    lrs: Sequence[float],
     seed: int,
     validate: Callable[[nn.Module], float],
     eval_every: int,
     patience: int,
     progress: Callable[[float], None] | None = None,
 ) -> Recovery:
-    """Distil ``student`` toward ``teacher`` (``objective.distill``) for at most ``steps`` AdamW steps.
+    """Distil ``student`` toward ``teacher`` (``objective.distill``) for at most ``steps`` AdamW steps, at
+    the first learning rate of ``lrs`` whose steps improve the validation quality.
 
     ``validate(student)`` (a quality, higher better) runs before the first step and every ``eval_every``
-    steps; recovery stops after ``patience`` checks without improvement, and the student ends with the
-    weights of its best check (the starting weights if no step helped). Token embeddings stay frozen (the
-    pruned heads never changed them); dropout is off (eval mode); learning rate: linear warm-up over the
-    first 10% of the steps, then linear decay to zero.
+    steps; a try stops after ``patience`` checks without improvement, and the student ends with the
+    weights of its best check. When no check of a try improved on the starting weights, the student is back
+    at them and the next learning rate of ``lrs`` is tried (a smaller one: the step was too large to help),
+    until none is left. Token embeddings stay frozen (the pruned heads never changed them); dropout is off
+    (eval mode); learning rate: linear warm-up over the first 10% of the steps, then linear decay to zero.
     """
+    result, teacher_out = Recovery(), _TeacherCache(teacher, batches, objective)  # shared by the tries
+    for lr in lrs:
+        one = _distil(student, teacher_out, batches, objective, steps, lr=lr, seed=seed, validate=validate,
+                      eval_every=eval_every, patience=patience, progress=progress)  # fmt: skip
+        result.losses += one.losses
+        result.checks, result.kept_step = one.checks, one.kept_step
+        result.lrs.append(lr)
+        if one.kept_step:
+            break
+    return result
+
+
+def _distil(
+    student: nn.Module,
+    teacher_out: _TeacherCache,
+    batches: Sequence[Batch],
+    objective: Objective,
+    steps: int,
+    *,
+    lr: float,
+    seed: int,
+    validate: Callable[[nn.Module], float],
+    eval_every: int,
+    patience: int,
+    progress: Callable[[float], None] | None,
+) -> Recovery:
+    """One try of :func:`recover` at learning rate ``lr``."""
     params = [p for n, p in student.named_parameters() if "embeddings" not in n and "embed_tokens" not in n]
     for p in student.parameters():
         p.requires_grad_(False)
     for p in params:
         p.requires_grad_(True)
     student.eval()
-    teacher_out = _TeacherCache(teacher, batches, objective)
     gen = torch.Generator().manual_seed(seed)
     order: list[int] = []
     result = Recovery(checks=[(0, validate(student))])

@@ -115,8 +115,9 @@ def markdown(report: dict[str, Any]) -> str:
         markdown_table(_stage_rows(q)),
         "",
         f"Quality: {q['metric']} ({q['direction']}). A stage is kept when it improves the validation quality. "
-        f"Recovery: {rec['steps_run']} of at most {rec['steps']} steps, the weights of step {rec['kept_step']} "
-        f"kept (0 = none helped). Speed: forward passes of the two models in {s['rounds']} interleaved rounds on "
+        f"Recovery: {rec['steps_run']} steps run (at most {rec['steps']} per learning rate tried: "
+        f"{', '.join(f'{lr:g}' for lr in rec.get('lrs_tried', [])) or 'none'}), the weights of step "
+        f"{rec['kept_step']} of the last try kept (0 = none helped). Speed: forward passes of the two models in {s['rounds']} interleaved rounds on "
         f"the same batch; median and interquartile range of the per-round ratios. Machine: {report['machine']}. "
         f"Took {report['seconds']:.0f} s.",
         "",

@@ -95,7 +95,7 @@ def encode_head(weights: Tensor) -> str:
     Decoding: base64, inflate, read Lq x Lk bytes q row-major; the weight is ``q / 255``, within 1/510 of
     the input (weights lie in [0, 1]).
     """
-    w = weights.detach().float().clamp(0, 1)  # (Lq, Lk)
+    w = weights.detach().double().clamp(0, 1)  # (Lq, Lk); float64: within 1/510 exactly, no float32 rounding
     q = torch.round(w * 255).to(torch.uint8)  # (Lq, Lk)
     return base64.b64encode(zlib.compress(q.numpy().tobytes(), 6)).decode("ascii")
 

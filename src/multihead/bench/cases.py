@@ -97,7 +97,8 @@ class Case:
     window: int | None = None
     window_form: str = "library"  # the window's mask function: "library" (sliding_window_fn) or "lambda"
     mask: str | None = None  # a mask case: a kind of multihead.bench.masks.KINDS
-    mask_form: str = "lambda"  # how it is given: "lambda", "library", "segments", "blockmask" ("rebuilt": flex; "new ids": ours)
+    # how the mask is given: "lambda", "library", "segments", "blockmask" ("rebuilt": flex; "new ids": ours)
+    mask_form: str = "lambda"
     rounds: int | None = None
     sdpa_backend: str | None = None  # the sdpa contender in one SDPA backend ("flash", "efficient", "cudnn")
     runs: tuple[Run, ...] = ()
@@ -356,9 +357,8 @@ def _cuda_masks(quick: bool) -> list[Case]:
                 row("sdpa"),
                 row("flex"),
             )
-            if (
-                kind == "documents"
-            ):  # new ids every call (a training step's) against flex rebuilding its BlockMask
+            if kind == "documents":
+                # new ids every call (a training step's) against flex rebuilding its BlockMask
                 runs += (row(OURS, mask_form="new ids"), row("flex", mask_form="rebuilt"))
             targets = [Target("time", "flex", "<=", 1.0), Target("time", "sdpa", "<=", 0.5)]
             if kind.startswith("causal window"):

@@ -5,8 +5,8 @@ Everything that forbids keys becomes one ``mask_mod`` -- the AND of the dense ma
 user's mask function, the segment-id rule and bottom-right causality -- from which ``create_block_mask``
 builds a block mask, so whole blocks that a sliding window, a causal band, key padding or packed
 sequences forbid are never computed; no dense (Lq, Lk) mask is built by this library. Packed documents
-alone (with causality) get theirs read off the ids' tile ranges instead, without a pass over every pair. Softcap, a dense
-bias and a bias function become one ``score_mod``. Sinks use the returned log-sum-exp: with
+alone (with causality) get theirs read off the ids' tile ranges instead, without a pass over every pair.
+Softcap, a dense bias and a bias function become one ``score_mod``. Sinks use the returned log-sum-exp: with
 ``lse`` over the real keys, ``out * sigmoid(lse - sink[h])`` is exactly the output with the sink in the
 denominator. The kernel is compiled by ``torch.compile`` (Triton) on first use for each shape. On the CPU it serves
 the calls :mod:`.flex_cpu` describes (a mask function alone, no autograd, float32: inductor's C++ kernel,
@@ -236,9 +236,8 @@ def _segments_block_mask(
     lq, lk = q_ids.shape[1], kv_ids.shape[1]
     partial, full = segment_tiles(q_ids, kv_ids, lk - lq if causal else None, FLEX_BLOCK, FLEX_BLOCK)
 
-    def tables(
-        t: Tensor,
-    ) -> tuple[Tensor, Tensor]:  # (B, nq, nk) -> (B, 1, nq) counts, (B, 1, nq, nk) listed first
+    def tables(t: Tensor) -> tuple[Tensor, Tensor]:
+        """(B, nq, nk) tiles -> (B, 1, nq) counts and (B, 1, nq, nk) indices, the listed tiles first."""
         order = torch.argsort(t.to(torch.uint8), dim=-1, descending=True, stable=True)
         return t.sum(-1, dtype=torch.int32)[:, None], order.to(torch.int32)[:, None]
 

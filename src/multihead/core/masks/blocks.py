@@ -132,9 +132,9 @@ class Recent:
 
 
 #: The last BlockMasks converted, by (id, target, and what it holds: its mask_mod and its tables, with
-#: their versions): a BlockMask is built once and passed to every layer of
-#: every call, so converting it once spares each later call the host copies (a synchronisation on a GPU)
-#: and the probe of a new function. Bounded: it keeps 8 BlockMasks alive.
+#: their versions): a BlockMask is built once and passed to every layer of every call, so converting it
+#: once spares each later call the host copies (a synchronisation on a GPU) and the probe of a new
+#: function. Bounded: it keeps 8 BlockMasks alive.
 _FROM_FLEX = Recent(8)
 
 

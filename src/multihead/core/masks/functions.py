@@ -87,20 +87,18 @@ def check_signature(fn: Callable[..., object], kind: str) -> None:
         return
     except TypeError:
         pass
-    how = (
-        "a score_mod that adds a term to the score (ALiBi, relative positions, score + f(b, h, q_idx, kv_idx)) "
-        "is that term at score 0: bias=lambda b, h, q_idx, kv_idx: score_mod(0.0, b, h, q_idx, kv_idx); "
-        "tanh soft-capping is softcap=c; other score_mods have no equivalent here"
-    )
     takes_score = len(signature.parameters) == 5 and not any(
         p.kind in (p.VAR_POSITIONAL, p.KEYWORD_ONLY) for p in signature.parameters.values()
     )
-    what = (
-        "a FlexAttention score_mod (score, b, h, q_idx, kv_idx) -> new score"
-        if takes_score
-        else "not 4 indices"
-    )
-    if not takes_score:
+    if takes_score:
+        what = "a FlexAttention score_mod (score, b, h, q_idx, kv_idx) -> new score"
+        how = (
+            "a score_mod that adds a term to the score (ALiBi, relative positions, score + f(b, h, q_idx, "
+            "kv_idx)) is that term at score 0: bias=lambda b, h, q_idx, kv_idx: score_mod(0.0, b, h, q_idx, "
+            "kv_idx); tanh soft-capping is softcap=c; other score_mods have no equivalent here"
+        )
+    else:
+        what = "not 4 indices"
         how = "give it the four index parameters (b, h, q_idx, kv_idx), unused ones included"
     raise ValueError(
         f"the {kind} function {fn_name(fn)!r} has the signature {signature}: {what}. A {kind} is called as "

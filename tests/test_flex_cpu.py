@@ -68,6 +68,29 @@ def test_auto_routing_waits_for_a_hot_large_call_and_refuses_what_it_cannot_serv
         assert any("no backward" in r for r in cpu.why_not(prepare(q.requires_grad_(), k, v, mask=band)))
 
 
+def test_auto_routing_leaves_long_spans_to_blocked(monkeypatch):
+    """Where a query tile sees long_span keys or more on average (prefix-LM, causal, wide windows) ATen's
+    fused kernel beats the compiled template: auto routing leaves the call to blocked; a narrow band, or
+    a BlockMask of one, still compiles."""
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    monkeypatch.setattr(flex_cpu, "_TORCH", flex_cpu.VERIFIED)
+    q, k, v = (torch.randn(1, 2, 1024, 8) for _ in range(3))
+    cpu = CpuFlex(min_scores=1, hot=1, long_span=384)
+
+    def causal(b, h, i, j):
+        return j <= i
+
+    def narrow(b, h, i, j):
+        return (i - j < 16) & (j - i < 16)
+
+    deferral = cpu.defers(prepare(q, k, v, mask=causal))  # query tile t sees t + 1 tiles of 128 keys: 4.5
+    assert deferral is not None and deferral.to == "blocked"
+    assert "576 keys on average (>= 384)" in deferral.reason
+    assert cpu.defers(prepare(q, k, v, mask=narrow)) is None  # 2 or 3 tiles: 2.75 x 128 = 352 keys
+    user = flex_attention.create_block_mask(narrow, None, None, 1024, 1024, device="cpu")
+    assert cpu.defers(prepare(q, k, v, mask=user)) is None
+
+
 def test_the_registry_routes_small_cpu_calls_with_functions_as_before():
     q, k, v = _qkv()
     with torch.no_grad():
@@ -161,15 +184,16 @@ CASES = {
 @pytest.mark.numerics
 @pytest.mark.parametrize("name", list(CASES))
 def test_compiled_flex_on_cpu_matches_the_reference(name):
-    """Under a forced ATEN_CPU_CAPABILITY (tests/cpu_kernels.py) or a torch before flex_cpu.VERIFIED (the
-    floor job) the tested behaviour is the refusal: nothing compiles (see flex_cpu's docstring for why)."""
+    """Under ATEN_CPU_CAPABILITY=avx2 (tests/cpu_kernels.py reruns this after the main suite compiled the
+    same cases for AVX-512) it must compile for AVX2 and never load the AVX-512 graphs inductor cached on
+    disk (wrong results, seen). Under ``default`` or a torch before flex_cpu.VERIFIED (the floor job) the
+    tested behaviour is the refusal: nothing compiles (see flex_cpu's docstring for why)."""
     h, hkv, lq, lk = CASES[name]["shape"]
     q, k, v = _qkv(h, hkv, lq, lk)
     mask = CASES[name]["mask"]
     mask = _user_block_mask(lq, lk) if mask == "user" else mask
     backend = FlexBackend(cpu=CpuFlex(min_scores=1, hot=1))
-    forced = os.environ.get("ATEN_CPU_CAPABILITY")
-    if forced or flex_cpu._TORCH < flex_cpu.VERIFIED:
+    if os.environ.get("ATEN_CPU_CAPABILITY") == "default" or flex_cpu._TORCH < flex_cpu.VERIFIED:
         call = prepare(q, k, v, mask=mask)
         assert any(("ATEN_CPU_CAPABILITY" in r) or ("needs torch" in r) for r in backend.why_not(call))
         assert backends.select(call).name != "flex"

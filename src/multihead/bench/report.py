@@ -103,10 +103,14 @@ def markdown(report: Report) -> str:
     """The report as markdown: one table of contenders per case, then the targets with their spread."""
     unit, scale = ("TFLOP/s", 1e-3) if report.device.startswith("cuda") else ("GFLOP/s", 1.0)
     s = report.settings
+    # rounds as run (a case may cap them below the settings)
+    timed = [len(r.times_s) for rec in report.cases for r in rec.results.values() if r.times_s]
+    low, high = (min(timed), max(timed)) if timed else (s["min_rounds"], s["max_rounds"])
     lines = [
         f"Device {report.device} ({report.device_name}), torch {report.torch}, {report.threads} threads, "
-        f"{report.date}. Each case: {s['warmup']} warm-up rounds, then {s['min_rounds']}-{s['max_rounds']} "
-        f"interleaved rounds (as many as fit in {s['budget_s']:g} s). Times are medians with the "
+        f"{report.date}. Each case: {s['warmup']} warm-up rounds, then "
+        + (f"{low} interleaved rounds" if low == high else f"{low}-{high} interleaved rounds")
+        + f" (as many as fit in {s['budget_s']:g} s, within each case's cap). Times are medians with the "
         f"interquartile range [q1, q3] of the rounds; ratios are per round (both contenders in the same "
         f"round), median [IQR]. Memory-only cases: one call each.",
         "",

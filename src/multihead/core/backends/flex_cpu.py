@@ -4,7 +4,10 @@
 forward only). It skips the tiles a block mask lists as empty, runs the full ones unmasked and inlines the
 mask function in the partial ones -- one loop, where the ``blocked`` backend makes one ATen kernel call per
 block of queries with a materialised mask per span. For banded and block-sparse masks it is the faster of
-the two on the CPU (``benchmarks/results/flex_masks_cpu*``). It has two costs, which this module bounds:
+the two on the CPU (``benchmarks/results/flex_masks_cpu*``); where a query tile sees :data:`LONG_SPAN` keys
+or more on average (prefix-LM, causal, windows of 1,024 and wider) ATen's fused kernel over the long span
+is faster (blocked took 0.85-0.98x flex's time there, with AVX-512 and AVX2 kernels alike), so auto routing
+leaves those to ``blocked``. It has two costs, which this module bounds:
 
 * **a compile** (seconds, once per mask function and shape): it serves only calls of more than
   :data:`MIN_SCORES` scores (B*H*Lq*Lk: where ``sdpa`` stops serving mask functions densely and ``blocked``
@@ -15,11 +18,16 @@ the two on the CPU (``benchmarks/results/flex_masks_cpu*``). It has two costs, w
   object), so keys never share a cache, and at most :data:`CAPACITY` are kept (least recently used go).
 
 A compile that fails (no C++ compiler, a mask function dynamo cannot trace) is reported once as a
-warning, that key stays on ``blocked`` for good, and the call is answered by ``blocked``. With
-``ATEN_CPU_CAPABILITY`` set (torch's CPU kernels forced, as the project's numerics job does) nothing is
-compiled: under ``default`` inductor's flex template does not build (``at::vec::transpose_block`` missing),
-and a process with a forced capability was seen reusing on-disk kernels compiled under another one, with
-wrong results (torch 2.13, max error 2.07 against eager FlexAttention). Before torch 2.13
+warning, that key stays on ``blocked`` for good, and the call is answered by ``blocked``.
+
+``ATEN_CPU_CAPABILITY`` (torch's CPU kernels forced, as the project's numerics job does, or to try a CPU
+without AVX-512) also picks inductor's vector ISA. Under ``default`` nothing is compiled: inductor's flex
+template does not build without vectors (``at::vec::transpose_block`` missing). Under ``avx2`` or
+``avx512`` flex compiles with inductor's FX graph cache off (:func:`_compile_options`): that on-disk cache
+is not keyed by the ISA, and a process with AVX2 forced was seen loading a graph compiled for AVX-512 with
+wrong results (torch 2.13, max error 0.65 against eager FlexAttention; the regression test is the
+numerics job itself, which reruns the compiled cases under ``avx2`` after the main suite has compiled them
+for AVX-512). The C++ kernel cache, keyed by source and compiler flags, stays on. Before torch 2.13
 (:data:`VERIFIED`) it is not used: torch 2.8's template emits C++ that does not compile.
 
 Only calls whose sole masking is a mask function take this path: no dense mask or bias, segment ids,
@@ -67,6 +75,7 @@ TILE = 64  # the small tile: queries and keys of one tile where it spares comput
 COARSE = 128  # ... else this one (FlexAttention's default): fewer tiles, less loop overhead
 SPARES = 0.95  # the small tile serves when it computes at most this share of the coarse tile's pairs
 CAPACITY = 32  # compiled (function, shape) entries kept
+LONG_SPAN = 2048  # mean keys a query tile sees at and above which auto routing leaves a call to blocked
 
 
 @dataclass
@@ -77,6 +86,7 @@ class _Entry:
     fn: object  # the function or BlockMask it serves (held: its id stays unique while cached)
     seen: int = 0
     block_mask: object | None = None
+    span: float = 0.0  # mean keys a query tile of the block mask sees (its allowed tiles' keys)
     made_from: tuple = ()  # (structure or BlockMask, table versions) its block mask was made from
     run: Callable[..., Tensor] | None = None
     failed: str | None = None
@@ -95,7 +105,13 @@ def _entry_point() -> Callable[..., Tensor]:
 
     code = run.__code__.replace(co_name=f"flex_cpu_{next(_MADE)}")
     fresh = types.FunctionType(code, run.__globals__, code.co_name, None, run.__closure__)
-    return torch.compile(fresh, dynamic=False, fullgraph=True)
+    return torch.compile(fresh, dynamic=False, fullgraph=True, options=_compile_options())
+
+
+def _compile_options() -> dict[str, object] | None:
+    """Inductor options: with ``ATEN_CPU_CAPABILITY`` forced, the FX graph cache off (it is not keyed by the
+    vector ISA the capability picks: a graph compiled for another one is loaded, with wrong results)."""
+    return {"fx_graph_cache": False} if os.environ.get("ATEN_CPU_CAPABILITY") else None
 
 
 def to_flex(blocks: Blocks, mask_mod: object) -> object:
@@ -117,9 +133,16 @@ class CpuFlex:
     """The ``flex`` backend's CPU policy and runner (see the module docstring)."""
 
     def __init__(
-        self, *, hot: int = HOT, min_scores: int = MIN_SCORES, tile: int = TILE, capacity: int = CAPACITY
+        self,
+        *,
+        hot: int = HOT,
+        min_scores: int = MIN_SCORES,
+        tile: int = TILE,
+        capacity: int = CAPACITY,
+        long_span: int = LONG_SPAN,
     ) -> None:
         self.hot, self.min_scores, self.tile, self.capacity = hot, min_scores, tile, capacity
+        self.long_span = long_span
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
 
     def why_not(self, call: AttentionCall) -> Iterator[str]:
@@ -153,12 +176,10 @@ class CpuFlex:
             yield "FlexAttention has no backward on the CPU (run under torch.no_grad(), or blocked serves it)"
         if is_tracing():
             yield "inside a trace or torch.compile the blocked backend serves (no nested compile)"
-        forced = os.environ.get("ATEN_CPU_CAPABILITY")
-        if forced:
+        if os.environ.get("ATEN_CPU_CAPABILITY") == "default":
             yield (
-                f"ATEN_CPU_CAPABILITY={forced} forces torch's CPU kernels: inductor's compiled FlexAttention "
-                "then fails to build (default) or reuses kernels cached for another capability (wrong results "
-                "seen), so blocked serves; unset it to compile"
+                "ATEN_CPU_CAPABILITY=default forces torch's CPU kernels without vectors: inductor's FlexAttention "
+                "template does not build then, so blocked serves; unset it (or force avx2/avx512) to compile"
             )
         entry = self._entries.get(self._key(call)) if m.mask_fn is not None else None
         if entry is not None and entry.failed is not None:
@@ -173,6 +194,12 @@ class CpuFlex:
             return Deferral("blocked", f"seen {entry.seen} < {self.hot} times: compiled once it repeats")
         if entry.block_mask is None and self._block_mask(call, entry) is None:
             return Deferral("blocked", "the mask function's tile structure cannot be bounded")
+        if entry.span >= self.long_span:
+            return Deferral(
+                "blocked",
+                f"its query tiles see {entry.span:.0f} keys on average (>= {self.long_span}): blocked's fused "
+                "kernel runs such long spans faster than the compiled template",
+            )
         return None
 
     def __call__(self, call: AttentionCall, fallback: Callable[[AttentionCall], Tensor] | None) -> Tensor:
@@ -247,7 +274,7 @@ class CpuFlex:
             block_mask = to_flex(fine, inner)
         else:  # the user's BlockMask as given, or the coarse tiles
             block_mask = source if source is not None else to_flex(coarse, inner)
-        entry.made_from, entry.block_mask = made_from, block_mask
+        entry.made_from, entry.block_mask, entry.span = made_from, block_mask, _span(coarse)
         log.debug("compiled flex on the CPU: a block mask for %s", _name(entry.fn))
         return block_mask
 
@@ -274,6 +301,11 @@ def _spares(coarse: Blocks, fine: Blocks) -> bool:
     their extra loop overhead pays (a band's edges, chunks); else (prefix-LM, causal) it does not."""
     area = int(fine.allowed.sum()) * fine.block_q * fine.block_k
     return area <= SPARES * int(coarse.allowed.sum()) * coarse.block_q * coarse.block_k
+
+
+def _span(blocks: Blocks) -> float:
+    """Mean keys a query tile of ``blocks`` sees (its allowed tiles' keys; over every row, batch and head)."""
+    return min(float(blocks.allowed.float().sum(-1).mean()) * blocks.block_k, float(blocks.lk))
 
 
 def _versions(block_mask: object | None) -> tuple:

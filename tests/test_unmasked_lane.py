@@ -13,10 +13,12 @@ import importlib
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import multihead as mh
 from multihead.core import backends
+from multihead.core.backends import math as math_backend
 from multihead.nn import seam
 from multihead.testing import compare_to_reference
 
@@ -89,6 +91,53 @@ def test_the_lane_gives_what_the_whole_way_gives_forward_and_backward(lane, b, h
     whole.backward(g)
     for a, w in zip(fast_in, whole_in):
         torch.testing.assert_close(a.grad, w.grad, rtol=1e-5, atol=1e-6)
+
+
+SHORT = [  # (B, H, Hkv, Lq, Lk, causal): many short rows, where the CPU's fused kernel is slow
+    (16, 4, 4, 7, 7, True),
+    (16, 4, 2, 5, 9, False),  # grouped, Lq != Lk
+    (32, 4, 1, 12, 12, True),  # grouped, causal
+    (8, 8, 8, 32, 32, False),  # the longest rows it takes
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("b", "h", "hkv", "lq", "lk", "causal"), SHORT)
+def test_many_short_rows_run_as_two_matmuls_and_match(lane, dtype, b, h, hkv, lq, lk, causal):
+    """B*H >= 64 rows of <= 32 keys: math.short_attention (0.26x the fused kernel's time at the seed
+    shape). Within the 2x rule, and forward and backward equal to the fused kernel itself."""
+    q, k, v = _qkv(b, h, hkv, lq, lk, dtype=dtype)
+    assert math_backend.serves_short(q, k, causal)
+    report = compare_to_reference(mh.attention, q, k, v, causal=causal, scale=0.3)
+    assert lane == [True] and report.ok, report
+    ours_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    fused_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    ours = mh.attention(*ours_in, causal=causal, scale=0.3)
+    fused = F.scaled_dot_product_attention(*fused_in, is_causal=causal, scale=0.3, enable_gqa=hkv < h)
+    tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-10, "atol": 1e-12}
+    torch.testing.assert_close(ours, fused, **tol)
+    g = torch.randn_like(ours)
+    ours.backward(g)
+    fused.backward(g)
+    for a, w in zip(ours_in, fused_in, strict=True):
+        torch.testing.assert_close(a.grad, w.grad, **tol)
+
+
+@pytest.mark.parametrize(
+    ("shape", "causal", "dtype"),
+    [
+        ((8, 8, 8, 32, 33), False, torch.float32),  # 33 keys: the fused kernel
+        ((7, 9, 9, 5, 5), False, torch.float32),  # 63 rows of heads
+        ((64, 8, 8, 1, 5), False, torch.float32),  # a decode step: the fused kernel is faster at Lq = 1
+        ((64, 8, 8, 3, 5), True, torch.float32),  # causal with Lq != Lk
+        ((64, 8, 8, 5, 5), False, torch.bfloat16),
+    ],
+    ids=["33 keys", "63 heads", "Lq=1", "causal Lq!=Lk", "bf16"],
+)
+def test_short_rows_leave_the_rest_to_the_fused_kernel(shape, causal, dtype):
+    b, h, hkv, lq, lk = shape
+    q, k, _ = _qkv(b, h, hkv, lq, lk, dtype=dtype)
+    assert not math_backend.serves_short(q, k, causal)
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,10 @@
 PyTorch picks its own kernel: on CPU a flash-style kernel that skips the blocks above the diagonal when
 causal and never keeps a (B, H, Lq, Lk) tensor, forward or backward; on CUDA the flash, cuDNN or
 memory-efficient kernels (tried in that order for float16/bfloat16). It cannot return per-head weights.
+One exception on the CPU: an unmasked call of many short rows (B*H >= 64, Lk <= 32, Lq >= 2, float32 or
+float64) runs as two matmuls and a softmax (:func:`~multihead.core.backends.math.short_attention`), where
+the fused kernel's per-head set-up costs more than the product; its (B, H, Lq, Lk) scores are at most
+32 keys wide.
 
 Dimensions: B batch, H heads, Hkv kv heads, G = H // Hkv, Lq/Lk lengths, Dk/Dv head dims.
 

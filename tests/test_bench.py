@@ -302,3 +302,26 @@ def test_every_target_names_a_run_of_its_case(suite):
         contenders = {r.contender for r in case.runs}
         for t in case.targets:
             assert t.peer is None or t.peer in labels or t.peer in contenders, (case.name, t)
+
+
+def test_interleaved_rounds_rotate_the_order_and_drop_a_failing_step():
+    """Every step runs after every other equally often (what runs before a step changes its time), and a
+    step that raises leaves the later rounds with its error reported."""
+    from multihead.bench.contenders import Step
+    from multihead.bench.measure import interleaved
+
+    calls: list[str] = []
+
+    def record(name: str):
+        return Step(lambda: calls.append(name))
+
+    def broken():
+        calls.append("c")
+        raise RuntimeError("no")
+
+    settings = Settings(warmup=0, min_rounds=3, max_rounds=3, budget_s=0.0)
+    steps = {"a": record("a"), "b": record("b"), "c": Step(broken)}
+    times, errors = interleaved(steps, torch.device("cpu"), settings, lambda text: None)
+    assert calls == ["a", "b", "c", "b", "a", "a", "b"]  # round 2 starts at b, round 3 at a (c is gone)
+    assert len(times["a"]) == len(times["b"]) == 3 and "c" not in times
+    assert errors["c"].startswith("error: RuntimeError: no")

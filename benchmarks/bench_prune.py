@@ -206,7 +206,8 @@ def markdown(res: dict) -> str:
         "(`prune.refit_layers`, `prune.crops`); "
         "*+ recovery*: distillation toward the original, early-stopped on the validation split, at learning "
         "rate 5e-5, or, when no check of that improved the validation split, again from the refit weights "
-        "at 1e-5 (`prune.RECOVERY_LRS`).",
+        "at 1e-5 (`prune.RECOVERY_LRS`); when fewer than half the heads go, at 1e-5 alone "
+        "(`prune.recovery_lrs`).",
         "",
         "Quality: Spearman rank correlation of the pruned model's pairwise sentence similarities (cosine of "
         "mean-pooled embeddings) with the original's. Stage columns: on the command's own held-out split "

@@ -64,3 +64,10 @@ def test_when_no_learning_rate_helps_the_starting_weights_stay():
     rec, start, _, final = _run([1.0, 0.5, 0.9, 1.0, 0.8, 0.7], (1e-3, 1e-4))
     assert rec.lrs == [1e-3, 1e-4] and rec.kept_step == 0 and len(rec.losses) == 8
     assert _same(final, start)
+
+
+def test_recovery_starts_lower_when_fewer_than_half_the_heads_go():
+    """At --heads 0.25 a try at 5e-5 never kept a step (9 of 9 runs); 1e-5 alone is tried there."""
+    assert P.recovery_lrs(18, 72) == P.FEW_PRUNED_LRS == (1e-5,)
+    assert P.recovery_lrs(36, 72) == P.recovery_lrs(40, 72) == P.RECOVERY_LRS == (5e-5, 1e-5)
+    assert P.Options("m", "d", "0.25", "o").lrs is None  # chosen per run unless given

@@ -20,7 +20,8 @@ Dimensions: B batch, L tokens, E hidden width, V vocabulary, N texts, P = N (N -
    random crops of each text (:func:`refit_layers`, :func:`crops`, :mod:`.refit`);
 4. recover: distil toward the original (:mod:`.recover`), stopped early on the validation texts, and when
    no step improved them, tried again from the refit weights at a lower learning rate
-   (:data:`RECOVERY_LRS`);
+   (:data:`RECOVERY_LRS`; :data:`FEW_PRUNED_LRS` alone when fewer than half the heads go,
+   :func:`recovery_lrs`);
 5. measure each stage on the validation and held-out texts (a stage is kept only if it improves the
    validation quality), the parameters, and the forward speed of the original against the pruned model in
    interleaved rounds (:mod:`multihead.bench.pair`);
@@ -32,6 +33,7 @@ from .choose import check_prunable, choose_and_prune, choose_compensable, compen
 from .command import Job, Stages, options_from, prepare, run
 from .inputs import (
     DEFAULT_RECOVER,
+    FEW_PRUNED_LRS,
     FEW_TEXTS,
     MIN_TEXTS,
     RECOVERY_LRS,
@@ -42,6 +44,7 @@ from .inputs import (
     heads_to_prune,
     parse_heads,
     read_texts,
+    recovery_lrs,
     split_texts,
 )
 from .objectives import (
@@ -85,6 +88,7 @@ __all__ = [
     "Objective",
     "Options",
     "PruneError",
+    "FEW_PRUNED_LRS",
     "RECOVERY_LRS",
     "Recovery",
     "Seq2Seq",
@@ -109,6 +113,7 @@ __all__ = [
     "parse_heads",
     "prepare",
     "read_texts",
+    "recovery_lrs",
     "recover",
     "refit",
     "refit_feed_forward",

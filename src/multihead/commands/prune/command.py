@@ -28,6 +28,7 @@ from .inputs import (
     parse_heads,
     read_texts,
     recover_steps,
+    recovery_lrs,
     split_texts,
 )
 from .objectives import OBJECTIVES, Batch, Objective, crops, make_batches
@@ -167,12 +168,13 @@ def _refit(
 
 def _recover(job: Job, opts: Options, model: nn.Module, stages: Stages) -> Recovery:
     """Distil toward the original (:mod:`.recover`), stopped on the validation texts; at the next learning rate
-    of ``opts.lrs`` when no step of one improved them."""
+    of ``opts.lrs`` (default :func:`~.inputs.recovery_lrs`) when no step of one improved them."""
     if not job.steps:
         return Recovery()
-    with Progress(job.steps * len(opts.lrs), "recover", enabled=opts.progress) as bar:  # at most
+    lrs = opts.lrs or recovery_lrs(job.n, sum(job.counts.values()))
+    with Progress(job.steps * len(lrs), "recover", enabled=opts.progress) as bar:  # at most
         rec = recover(
-            model, job.loaded.model, job.batches["mixed"], job.objective, job.steps, lrs=opts.lrs, seed=opts.seed,
+            model, job.loaded.model, job.batches["mixed"], job.objective, job.steps, lrs=lrs, seed=opts.seed,
             validate=stages.validate, eval_every=opts.eval_every, patience=opts.patience,
             progress=lambda loss: bar.update(1, loss=f"{loss:.4f}"),
         )  # fmt: skip

@@ -20,6 +20,7 @@ __all__ = [
     "FEW_TEXTS",
     "MIN_TEXTS",
     "Options",
+    "FEW_PRUNED_LRS",
     "RECOVERY_LRS",
     "PruneError",
     "Splits",
@@ -29,6 +30,7 @@ __all__ = [
     "parse_heads",
     "read_texts",
     "recover_steps",
+    "recovery_lrs",
     "split_texts",
 ]
 
@@ -38,9 +40,21 @@ DEFAULT_RECOVER = 240
 MIN_HELD_OUT = 8  # texts the reported quality is measured on (28 pairs for the Spearman of similarities)
 RECOVERY_LRS = (5e-5, 1e-5)
 """Recovery's learning rates, tried in turn until one improves the validation quality
-(:func:`multihead.commands.prune.recover`). 2e-4 undid the refit (validation fell by 0.06 in 40 steps);
-5e-5 improves it at ``--heads`` 0.5 on all-MiniLM-L6-v2, but after the refit at 0.25 none of its steps
-did, where 1e-5 does (``benchmarks/results/prune.md``)."""
+(:func:`multihead.commands.prune.recover`), when half the heads or more go. 2e-4 undid the refit
+(validation fell by 0.06 in 40 steps); 5e-5 improves it at ``--heads`` 0.5 on all-MiniLM-L6-v2 (8 of 9
+runs: 3 corpora x 3 seeds), but after the refit at 0.25 none of its steps did in 9 of 9, where 1e-5 did in
+7 (``benchmarks/results/prune.md``): see :func:`recovery_lrs`."""
+FEW_PRUNED_LRS = (1e-5,)
+"""Recovery's learning rates when fewer than half the heads go: the refit leaves less to recover, and a
+try at 5e-5 only spent 80 steps (30-40 s) before 1e-5 ran (the same result: a failed try restores the
+weights, and each try draws the same batches)."""
+
+
+def recovery_lrs(pruned: int, total: int) -> tuple[float, ...]:
+    """The learning rates recovery tries when ``pruned`` of ``total`` heads go."""
+    return RECOVERY_LRS if 2 * pruned >= total else FEW_PRUNED_LRS
+
+
 MIN_VALIDATION = 4  # texts that choose between stages and stop recovery
 MIN_TRAIN = 8  # texts that choose the heads, refit and recover on
 MIN_TEXTS = MIN_HELD_OUT + MIN_VALIDATION + MIN_TRAIN
@@ -67,7 +81,7 @@ class Options:
     recover: int | str | None = None  # None: DEFAULT_RECOVER
     truncate: bool = False
     batch_size: int = 16
-    lrs: tuple[float, ...] = RECOVERY_LRS  # recovery's learning rates, tried in turn until one helps
+    lrs: tuple[float, ...] | None = None  # recovery's learning rates, tried in turn (None: recovery_lrs)
     held_out: float = 0.2  # of the texts, measured on only (the report's quality)
     validation: float = 0.1  # of the texts, to choose between stages and stop recovery early
     refit_texts: int = 1024  # training texts the heads are chosen and the projections refit on (at most)

@@ -281,3 +281,20 @@ def test_the_seams_unmasked_entry_steps_aside_whenever_attend_has_work():
     own = mh.MultiHeadAttention(8, 2, attention_fn=_Fn())
     assert seam.attend_unmasked(own, q, k, v, False, 0.5) is None  # the module's own function
     assert seam.attend_unmasked(_WithProperty(), q, k, v, False, 0.5) is None  # a named backend
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_module_of_many_short_rows_equals_torchs(causal):
+    """The module's strided q, k, v views (one fused projection) through the short-rows path: torch's own
+    layer with the same weights, forward and backward, in float64."""
+    torch.manual_seed(0)
+    theirs = nn.MultiheadAttention(64, 8, batch_first=True).double()
+    ours = mh.MultiHeadAttention.from_torch(theirs).double()
+    x = torch.randn(16, 6, 64, dtype=torch.float64, requires_grad=True)  # B*H = 128 rows of 6 keys
+    assert math_backend.serves_short(torch.empty(16, 8, 6, 8), torch.empty(16, 8, 6, 8), causal)
+    mask = torch.ones(6, 6, dtype=torch.bool).triu(1) if causal else None  # True = masked (torch's)
+    a = ours(x, causal=causal)
+    b = theirs(x, x, x, need_weights=False, attn_mask=mask)[0]
+    torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    ga, gb = (torch.autograd.grad(y.sum(), x)[0] for y in (a, b))
+    torch.testing.assert_close(ga, gb, rtol=1e-12, atol=1e-12)

@@ -167,13 +167,13 @@ def serves_short(q: Tensor, k: Tensor, is_causal: bool) -> bool:
     time, 0.37x forward+backward; it wins from about 128 keys on, and at Lq = 1)."""
     b, h, lq, _ = q.shape
     lk = k.shape[2]
-    return (
-        q.device.type == "cpu"
-        and q.dtype in (torch.float32, torch.float64)
-        and 2 <= lq
+    return (  # the shape first: a decode step (Lq = 1) and long rows leave at the first test
+        2 <= lq
         and lk <= SHORT_KEYS
         and b * h >= MANY_HEADS
         and (lq == lk or not is_causal)
+        and q.dtype in (torch.float32, torch.float64)
+        and q.device.type == "cpu"
     )
 
 

@@ -117,8 +117,9 @@ def markdown(report: dict[str, Any]) -> str:
         f"Quality: {q['metric']} ({q['direction']}). A stage is kept when it improves the validation quality. "
         f"Recovery: {rec['steps_run']} steps run (at most {rec['steps']} per learning rate tried: "
         f"{', '.join(f'{lr:g}' for lr in rec.get('lrs_tried', [])) or 'none'}), the weights of step "
-        f"{rec['kept_step']} of the last try kept (0 = none helped). Speed: forward passes of the two models in {s['rounds']} interleaved rounds on "
-        f"the same batch; median and interquartile range of the per-round ratios. Machine: {report['machine']}. "
+        f"{rec['kept_step']} of the last try kept (0 = none helped). Speed: forward passes of the two models in "
+        f"{s['rounds']} interleaved rounds on the same batch; median and interquartile range of the per-round "
+        f"ratios. Machine: {report['machine']}. "
         f"Took {report['seconds']:.0f} s.",
         "",
         "## Heads removed (original indices)",

@@ -178,8 +178,9 @@ class CpuFlex:
             yield "inside a trace or torch.compile the blocked backend serves (no nested compile)"
         if os.environ.get("ATEN_CPU_CAPABILITY") == "default":
             yield (
-                "ATEN_CPU_CAPABILITY=default forces torch's CPU kernels without vectors: inductor's FlexAttention "
-                "template does not build then, so blocked serves; unset it (or force avx2/avx512) to compile"
+                "ATEN_CPU_CAPABILITY=default forces torch's CPU kernels without vectors: inductor's "
+                "FlexAttention template does not build then, so blocked serves; unset it (or force avx2/avx512) "
+                "to compile"
             )
         entry = self._entries.get(self._key(call)) if m.mask_fn is not None else None
         if entry is not None and entry.failed is not None:
@@ -197,8 +198,8 @@ class CpuFlex:
         if entry.span >= self.long_span:
             return Deferral(
                 "blocked",
-                f"its query tiles see {entry.span:.0f} keys on average (>= {self.long_span}): blocked's fused "
-                "kernel runs such long spans faster than the compiled template",
+                f"its query tiles see {entry.span:.0f} keys on average (>= {self.long_span}): blocked's "
+                "fused kernel runs such long spans faster than the compiled template",
             )
         return None
 

@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -39,6 +40,7 @@ from bench_ring import _environment, _PeakMemory  # noqa: E402
 
 import multihead as mh  # noqa: E402
 from multihead import distributed as mhd  # noqa: E402
+from multihead.distributed import exchange  # noqa: E402
 from multihead.distributed.hybrid import HybridGroups  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -98,6 +100,21 @@ def _call(strategy, q, k, v, groups, chunks=None):
     return mhd.hybrid_attention(q, k, v, groups=groups, causal=True, layout="zigzag", head_chunks=chunks)
 
 
+@contextlib.contextmanager
+def windows(per_rank: int):
+    """Ulysses and hybrid exchange (and attend) any sequence in ``per_rank`` windows per rank, as they do
+    long ones (the planner, called inside, counts the same windows)."""
+    saved = exchange.WINDOW_ELEMENTS, exchange.WINDOWS
+    exchange.WINDOW_ELEMENTS, exchange.WINDOWS = 0, per_rank
+    try:
+        yield
+    finally:
+        exchange.WINDOW_ELEMENTS, exchange.WINDOWS = saved
+
+
+INFERENCE = "ulysses inference, in windows"  # no autograd: K/V in phases (multihead.distributed.phased)
+
+
 def _name(strategy, chunks):
     return strategy if chunks is None else f"{strategy} head_chunks={chunks}"
 
@@ -120,7 +137,18 @@ def bytes_job(total: int, shape: dict) -> dict:
             "backward": bwd.sent,
             "ulysses_size": groups.ulysses_size,
         }
+    q = torch.randn(1, shape["heads"], n, shape["head_dim"])
+    k, v = (torch.randn(1, shape["kv_heads"], n, shape["head_dim"]) for _ in range(2))
+    with windows(3), torch.no_grad(), _Counter() as fwd:
+        _call("ulysses", q, k, v, groups)
+    res[INFERENCE] = {"forward": fwd.sent, "backward": 0, "ulysses_size": world}
     return {"rank": rank, **res}
+
+
+def planned_inference_bytes(total: int, shape: dict, world: int) -> int:
+    """What :func:`mhd.plan` says the :data:`INFERENCE` case of :func:`bytes_job` sends forward."""
+    with windows(3):
+        return mhd.plan(total, **shape, world=world, dtype_bytes=4, training=False)["ulysses"].sent_forward
 
 
 # ------------------------------------------------------------------------------------------------
@@ -135,7 +163,9 @@ def memory_job(total: int, shape: dict, strategy: str) -> dict:
     groups = HybridGroups.create(dist.group.WORLD, 2) if strategy == "hybrid" else None
     n = total // world
     warm = [torch.randn(1, shape["heads"], 64, shape["head_dim"]) for _ in range(3)]
-    with torch.no_grad():
+    # the warm-up runs in windows, as the long call does, so that the kernels' code pages (resident set,
+    # not memory the call holds) are in the resident set before the measurement starts
+    with windows(2), torch.no_grad():
         _call(strategy, *warm, groups) if world > 1 else mh.attention(*warm, causal=True)
     with _PeakMemory(torch.device("cpu")) as mem, torch.no_grad():
         q = torch.randn(1, shape["heads"], n, shape["head_dim"])
@@ -162,9 +192,10 @@ def memory_table(length: int, shape: dict) -> dict:
         }
     base = mem["one process"]["peak"]
     for strategy in ("ring", "ulysses", "hybrid"):
-        est = mhd.plan(length, **shape, world=4, dtype_bytes=4, ulysses_size=2)[strategy]
+        est = mhd.plan(length, **shape, world=4, dtype_bytes=4, ulysses_size=2, training=False)[strategy]
         mem[strategy] |= {"ratio": mem[strategy]["peak"] / base, "planned": est.memory_bytes}
-    mem["one process"]["planned"] = mhd.plan(length, **shape, world=1, dtype_bytes=4)["ring"].memory_bytes
+    one = mhd.plan(length, **shape, world=1, dtype_bytes=4, training=False)["ring"]
+    mem["one process"]["planned"] = one.memory_bytes
     return mem
 
 
@@ -390,6 +421,12 @@ def main() -> None:
                 "ratio_forward": got["forward"] / est.sent_forward,
                 "ratio_backward": got["backward"] / est.sent_backward,
             }
+        planned = planned_inference_bytes(args.bytes_len, SHAPE, world)
+        res["bytes"][f"{INFERENCE} P={world}"] = {
+            "measured_forward": per_rank[0][INFERENCE]["forward"],
+            "planned_forward": planned,
+            "ratio_forward": per_rank[0][INFERENCE]["forward"] / planned,
+        }
 
     # 2. memory (and forward time) at 16k: one process, then 4 ranks of each strategy, for two head counts
     res["memory"] = {
@@ -409,7 +446,10 @@ def main() -> None:
         for strategy in ("ring", "ulysses"):
             per_rank = mhd.launch(memory_job, world, (args.time_len, SHAPE, strategy), start_method="fork")
             measured = max(r["seconds"] for r in per_rank)
-            est = mhd.plan(args.time_len, **SHAPE, world=world, dtype_bytes=4, machine=machine)[strategy]
+            est = mhd.plan(
+                args.time_len, **SHAPE, world=world, dtype_bytes=4, machine=machine, training=False
+            )
+            est = est[strategy]
             res["time"][f"{strategy} P={world}"] = {"measured": measured, "planned": est.seconds_forward}
 
     # 4. published figures and the map
@@ -436,9 +476,13 @@ def _markdown(res: dict) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for case, b in res["bytes"].items():
+        back = (
+            f"{b['measured_backward']} | {b['planned_backward']} | {b['ratio_backward']:.3f}"
+            if "measured_backward" in b
+            else "- | - | -"
+        )
         lines.append(
-            f"| {case} | {b['measured_forward']} | {b['planned_forward']} | {b['ratio_forward']:.3f} | "
-            f"{b['measured_backward']} | {b['planned_backward']} | {b['ratio_backward']:.3f} |"
+            f"| {case} | {b['measured_forward']} | {b['planned_forward']} | {b['ratio_forward']:.3f} | {back} |"
         )
     for shape, mem in res["memory"].items():
         lines += [

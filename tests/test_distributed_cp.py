@@ -16,7 +16,7 @@ from test_distributed import _inputs as _ring_inputs
 
 import multihead as mh
 from multihead import distributed as mhd
-from multihead.distributed import blocks, exchange
+from multihead.distributed import blocks, exchange, phased, ulysses
 from multihead.distributed.hybrid import HybridGroups
 from multihead.testing import allowed_error, merge_floor
 
@@ -274,6 +274,102 @@ def test_ulysses_and_packed_ring_equal_one_process(world):
     failures = _failures(per_rank, CASES)
     assert not failures, "\n".join(failures)
     assert [r["skipped"] for r in per_rank] == [1] * world  # the other ranks' documents: steps skipped
+
+
+# Forward without autograd (inference): Ulysses in windows streams K/V in phases (.phased) where the ring's
+# blocks serve; with functions, dropout or no fused kernel it keeps the whole-head schedule
+_INFERENCE = [c for c in CASES if c["strategy"] == "ulysses" and c["windows"]]
+_PHASED = {"u-windows-causal", "u-windows-striped", "u-windows-cross", "u-windows-options"}
+_PHASED |= {"u-windows-float64", "u-windows-plain"}
+
+
+def _inference_case(c, rank, world):
+    (q, k, v, _, sinks), kw, keep = _inputs(c)
+    dtype, layout = c["dtype"], c["layout"]
+    if sinks is not None:
+        kw = kw | {"sinks": sinks}
+    extra = {} if keep is None else {"mask": mh.masks.key_padding(keep)}
+    exact = mh.attention_reference(
+        *(t.double() for t in (q, k, v)),
+        **{
+            n: (x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x)
+            for n, x in kw.items()
+        },
+        **extra,
+    )
+    wide = {
+        n: (x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x)
+        for n, x in kw.items()
+    }
+    own = mh.attention_reference(*(t.to(dtype) for t in (q, k, v)), **wide, **extra)
+    one = mh.attention(*(t.to(dtype) for t in (q, k, v)), **wide, **extra)
+
+    def cut(t, dim=2):
+        return mhd.shard(t, dim, rank, world, layout)
+
+    lkw = _local_kwargs(wide, cut, cut)
+    if keep is not None:
+        lkw["key_mask"] = cut(keep, 1)
+    calls = []
+    real = ulysses.attend_in_phases
+    ulysses.attend_in_phases = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        with torch.no_grad():
+            out = mhd.ulysses_attention(
+                *(cut(t).to(dtype) for t in (q, k, v)), layout=layout, head_chunks=c["chunks"], **lkw
+            )
+    finally:
+        ulysses.attend_in_phases = real
+    return {
+        "vs64": float((out.double() - cut(exact)).abs().max()),
+        "ref64": float((own.double() - exact).abs().max()),
+        "one64": float((one.double() - exact).abs().max()),
+        "mag": float(exact.abs().max()),
+        "phased": len(calls),
+    }
+
+
+def _inference_job(cases):
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return {c["name"]: _windowed(c, lambda c=c: _inference_case(c, rank, world)) for c in cases}
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("world", [2, 4])
+def test_ulysses_inference_in_phases_equals_one_process(world):
+    """No rank records a backward: K/V of each chunk in two phases, every window's partial results merged
+    at home by log-sum-exp (2 phases x rectangle + triangle: 4 merged parts)."""
+    per_rank = mhd.launch(_inference_job, world, (_INFERENCE,), timeout=150, start_method="fork")
+    failures = []
+    for c in _INFERENCE:
+        res = [r[c["name"]] for r in per_rank]
+        ref, mag = max(r["ref64"] for r in res), max(r["mag"] for r in res)
+        bound = allowed_error(ref, c["dtype"], factor=2.0, floor=merge_floor(c["dtype"], mag, 4))
+        bound = max(bound, max(r["one64"] for r in res))
+        got = max(r["vs64"] for r in res)
+        if got > bound:
+            failures.append(f"{c['name']}: error vs fp64 {got:.3g} > {bound:.3g}")
+        if [r["phased"] for r in res] != [int(c["name"] in _PHASED)] * world:
+            failures.append(f"{c['name']}: phased calls {[r['phased'] for r in res]}")
+    assert not failures, "\n".join(failures)
+
+
+def test_phases_send_each_window_where_it_sees_keys():
+    edges = exchange.window_edges(12, 4)  # windows of 3 positions
+    assert [list(p) for p in phased.phase_keys(edges, 2)] == [[0, 1], [2, 3]]
+    assert phased.sends(edges, edges, 2, 0) == [[0], [0], [0, 1], [0, 1]]  # causal: the first half once
+    assert phased.sends(edges, edges, 2, None) == [[0, 1]] * 4  # full attention: every window twice
+    assert phased.sends(edges, edges, 2, -6) == [[], [], [0], [0]]  # 6 fewer keys than queries
+    whole = [exchange.Chunk(range(2), range(1), True)] * 4
+    parts = [
+        [exchange.Chunk(range(1), range(1), True)] * 4,
+        [exchange.Chunk(range(1, 2), range(1), False)] * 4,
+    ]
+    assert phased.aligned(parts) and [list(r) for r in phased.runs(parts)] == [[0, 1]]
+    assert [list(r) for r in phased.runs([whole, whole])] == [[0], [1]]
+    mixed = [[exchange.Chunk(range(1), range(1), True), exchange.Chunk(range(1), range(1), False)]]
+    assert not phased.aligned(mixed)  # one rank would need its slot again: the whole-head schedule runs
 
 
 def test_head_split_covers_every_head_once():

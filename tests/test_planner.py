@@ -10,7 +10,7 @@ import pytest
 from multihead import distributed as mhd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from bench_plan import CASES, SHAPE, _name, bytes_job  # noqa: E402
+from bench_plan import CASES, INFERENCE, SHAPE, _name, bytes_job, planned_inference_bytes  # noqa: E402
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -26,6 +26,11 @@ def test_planned_bytes_match_the_collectives(world):
         )[strategy]
         assert abs(got["forward"] / est.sent_forward - 1) < 0.01, (strategy, got, est)
         assert abs(got["backward"] / est.sent_backward - 1) < 0.01, (strategy, got, est)
+    # a forward without autograd, in windows: K/V in phases, the queries and outputs that see both halves
+    # of the keys sent twice (with one log-sum-exp per output row)
+    got, planned = per_rank[0][INFERENCE]["forward"], planned_inference_bytes(256, SHAPE, world)
+    whole = mhd.plan(256, **SHAPE, world=world, dtype_bytes=4)["ulysses"].sent_forward
+    assert abs(got / planned - 1) < 0.01 and planned > 1.2 * whole, (got, planned, whole)
 
 
 def test_plan_follows_the_formulas():
@@ -68,3 +73,16 @@ def test_plan_counts_every_all_to_all():
     assert short["ulysses"].seconds_forward == 4 * 3  # K, V, q, output: one window
     long = mhd.plan(16384, heads=8, kv_heads=2, head_dim=64, world=4, machine=slow, dtype_bytes=4)
     assert long["ulysses"].seconds_forward == (4 + 2) * 32 * 3  # two chunks reading one slot, 32 windows
+
+
+def test_inference_plan_streams_half_the_kv_head():
+    """training=False: no backward; Ulysses in windows holds half a K/V head, and sends the queries and
+    outputs of the windows that see both halves twice (causal: the second half of the sequence)."""
+    few = {"heads": 8, "kv_heads": 2, "head_dim": 64, "world": 4, "dtype_bytes": 4}
+    train = mhd.plan(16384, **few)["ulysses"]
+    infer = mhd.plan(16384, **few, training=False)["ulysses"]
+    assert infer.sent_backward == 0 and infer.seconds_backward == 0.0
+    u = 4096 * 64 * 4  # one head of one rank's tokens
+    assert train.sent_forward == 18 * u  # q 6, k and v 6, output 6 heads' worth to the other 3 ranks
+    assert infer.sent_forward == 9 * u + 6 * u + 9 * u * 65 // 64  # q and output 1.5x, K/V once
+    assert train.memory_bytes - infer.memory_bytes == 4 * u - 8 * 4096 * 4  # half a K/V head, less the lse

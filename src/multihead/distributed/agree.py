@@ -78,10 +78,12 @@ class Meta(NamedTuple):
     softcap: int  # 1: softcap given
     sinks: int  # 1: sinks given
     head_chunks: int  # Ulysses' head chunks as asked (0: None, chosen from the size)
+    grad: int  # 1: autograd records this call here (grad enabled, an input requires grad)
 
 
-# fields that may differ between ranks (no key_mask: all keys real; pieces: the smallest count is used)
-_PER_RANK = ("lq", "lk", "key_mask", "pieces")
+# fields that may differ between ranks (no key_mask: all keys real; pieces: the smallest count is used;
+# grad: a call is differentiable when any rank records it)
+_PER_RANK = ("lq", "lk", "key_mask", "pieces", "grad")
 _NAMES = {"batch": "B", "heads": "H", "kv_heads": "Hkv", "dk": "Dk", "dv": "Dv", "lq": "Lq", "lk": "Lk"}
 _CHOICES = {"layout": LAYOUTS, "strategy": STRATEGIES, "kernel": KERNELS, "dtype": _DTYPES}
 
@@ -112,6 +114,7 @@ class Plan:
     compute_dtype: torch.dtype  # the dtype blocks compute and accumulate in
     pieces: int = 1  # the ring sends each K/V shard in this many pieces, one ring per piece
     softcap: float | None = None  # scores -> softcap * tanh(scores / softcap), in every block
+    grad: bool = True  # some rank's autograd records the call (False: a schedule without a backward may run)
 
     @property
     def q_pos(self) -> Tensor:
@@ -249,6 +252,9 @@ def _local_meta(
         softcap=int(softcap is not None),
         sinks=int(sinks is not None),
         head_chunks=head_chunks or 0,
+        grad=int(
+            torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
+        ),
     )
     return meta, ids
 
@@ -367,6 +373,7 @@ def make_plan(
         compute_dtype=compute,
         pieces=max(1, min(min(row.pieces for row in table), min(lk_all))) if world > 1 else 1,
         softcap=check_softcap(softcap),
+        grad=any(row.grad for row in table),
     )
 
 

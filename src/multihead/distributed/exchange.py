@@ -49,13 +49,17 @@ __all__ = [
     "Route",
     "attend_in_chunks",
     "auto_head_chunks",
+    "ascending",
     "auto_windows",
     "chunk_heads",
+    "from_owners",
     "gather_tokens",
     "head_split",
+    "heads_out",
     "rank_chunks",
     "to_heads",
     "to_seq",
+    "tokens_out",
     "window_edges",
 ]
 
@@ -266,7 +270,7 @@ def _index(heads: Sequence[int], device: torch.device) -> Tensor:
     return torch.tensor(list(heads), dtype=torch.long, device=device)
 
 
-def _heads_out(x: Tensor, route: Route, windows: range) -> Tensor:
+def heads_out(x: Tensor, route: Route, windows: range) -> Tensor:
     """Forward of :func:`to_heads` (and backward of :func:`to_seq`): ``x`` (B, N, L_r, D) -> this rank's
     heads of every token in ``windows`` (B, N_r, b - a, D), [a, b) the windows' positions, in order."""
     b, _, _, d = x.shape
@@ -288,7 +292,7 @@ def _heads_out(x: Tensor, route: Route, windows: range) -> Tensor:
     return whole
 
 
-def _tokens_out(whole: Tensor, route: Route, i: int, start: int) -> Tensor:
+def tokens_out(whole: Tensor, route: Route, i: int, start: int) -> Tensor:
     """Forward of :func:`to_seq` (and backward of :func:`to_heads`): this rank's heads of window i's
     tokens, in ``whole`` (B, N_r, *, D) whose first row is position ``start`` -> rank s's heads of this
     rank's tokens of window i, packed in rank order."""
@@ -299,8 +303,8 @@ def _tokens_out(whole: Tensor, route: Route, i: int, start: int) -> Tensor:
     return _all_to_all(sends, [(b, len(h), n, d) for h in route.heads_of], route.group)
 
 
-def _from_owners(got: Tensor, route: Route, i: int, d: int, b: int) -> list[Tensor]:
-    """What :func:`_tokens_out` returned for window i, as rank s's (B, len(heads_of[s]), rows, D)."""
+def from_owners(got: Tensor, route: Route, i: int, d: int, b: int) -> list[Tensor]:
+    """What :func:`tokens_out` returned for window i, as rank s's (B, len(heads_of[s]), rows, D)."""
     n = route.count(route.rank, i)
     return _pieces(got, [(b, len(h), n, d) for h in route.heads_of])
 
@@ -309,7 +313,7 @@ class _ToHeads(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, token: Tensor, x: Tensor, route: Route, windows: range) -> tuple[Tensor, Tensor]:
         ctx.route, ctx.shape, ctx.windows = route, x.shape, windows
-        return token.new_empty(0), _heads_out(x, route, windows)
+        return token.new_empty(0), heads_out(x, route, windows)
 
     @staticmethod
     def backward(ctx: Any, token: Tensor, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -319,9 +323,9 @@ class _ToHeads(torch.autograd.Function):
             dx = grad.new_zeros(b, n, lr, d)
             grad = grad.contiguous()
             for i in windows:
-                got = _tokens_out(grad, route, i, start)
+                got = tokens_out(grad, route, i, start)
                 rows = dx[:, :, route.rows(route.rank, i)]  # (B, N, my rows of window i, D), a view
-                for heads, piece in zip(route.heads_of, _from_owners(got, route, i, d, b)):
+                for heads, piece in zip(route.heads_of, from_owners(got, route, i, d, b)):
                     rows.index_add_(1, _index(heads, dx.device), piece)  # a K/V head sent twice: sums
         return token, dx if ctx.needs_input_grad[1] else None, None, None
 
@@ -330,13 +334,13 @@ class _ToSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, token: Tensor, whole: Tensor, route: Route, i: int) -> tuple[Tensor, Tensor]:
         ctx.route, ctx.shape, ctx.window = route, whole.shape, i
-        return token.new_empty(0), _tokens_out(whole, route, i, route.edges[i])
+        return token.new_empty(0), tokens_out(whole, route, i, route.edges[i])
 
     @staticmethod
     def backward(ctx: Any, token: Tensor, grad: Tensor) -> tuple[Tensor | None, ...]:
         route, (b, n, _, d), i = ctx.route, ctx.shape, ctx.window
         with torch.no_grad():  # rank s's heads of this rank's tokens, as forward received them: back
-            pieces = [(p, 1, None) for p in _from_owners(grad.contiguous(), route, i, d, b)]
+            pieces = [(p, 1, None) for p in from_owners(grad.contiguous(), route, i, d, b)]
             shapes = [(b, n, route.count(s, i), d) for s in range(len(pieces))]
             got = _all_to_all(pieces, shapes, route.group)
             whole = got.new_empty(b, n, route.edges[i + 1] - route.edges[i], d)
@@ -392,9 +396,10 @@ class Attend(NamedTuple):
     v: Tensor  # (B, n, L_k, Dv)
     first: int
     rows: range  # [a, b): the queries' positions
+    keys: range | None = None  # the positions of k and v (None: the whole sequence, 0 .. L_k - 1)
 
 
-def _ascending(positions: Sequence[Tensor]) -> tuple[Tensor, ...]:
+def ascending(positions: Sequence[Tensor]) -> tuple[Tensor, ...]:
     for p in positions:
         if len(p) > 1 and not bool((p[1:] > p[:-1]).all()):
             raise ValueError("attend_in_chunks: every rank's positions must ascend (as every layout's do)")
@@ -426,8 +431,8 @@ def attend_in_chunks(
     """
     rank = dist.get_rank(group)
     device = q.device
-    qp = _ascending([p.to(device) for p in positions[0]])
-    kp = _ascending([p.to(device) for p in positions[1]])
+    qp = ascending([p.to(device) for p in positions[0]])
+    kp = ascending([p.to(device) for p in positions[1]])
     b, _, lq, _ = q.shape
     dv = v.shape[-1]
     lq_all, lk_all = sum(len(p) for p in qp), sum(len(p) for p in kp)
@@ -467,7 +472,7 @@ def attend_in_chunks(
                 lo, hi = q_edges[i] - a, q_edges[i + 1] - a
                 token, got = to_seq(token, o if len(part) == 1 else o[:, :, lo:hi], route, i)
                 rows = route.rows(rank, i)
-                for heads, piece in zip(q_heads, _from_owners(got, route, i, dv, b)):
+                for heads, piece in zip(q_heads, from_owners(got, route, i, dv, b)):
                     if heads:  # (B, w_s, rows, Dv) into their heads of the output
                         out[:, heads[0] : heads[-1] + 1, rows] = piece
                 del got

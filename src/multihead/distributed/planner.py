@@ -25,12 +25,14 @@ attended whole, its queries and output of the whole sequence: half precision, as
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-from .exchange import Chunk, auto_head_chunks, auto_windows, head_split, rank_chunks
+from .exchange import Chunk, HeadShare, auto_head_chunks, auto_windows, head_split, rank_chunks, window_edges
 from .hybrid import choose_ulysses_size, hybrid_head_chunks
+from .phased import KV_PHASES, aligned, phase_keys, sends
 from .ring import PIECE_KEYS
+from .sharding import layout_positions
 
 __all__ = ["PRESETS", "Estimate", "Machine", "plan"]
 
@@ -96,11 +98,14 @@ def _ulysses(
     b: int,
     counts: list[int],
     split: bool = True,
+    phased: bool = False,
+    causal: bool = True,
 ) -> tuple[int, int, int, float, list[Chunk], int]:
     """Ulysses over ``ranks`` of ``tokens`` each, each rank's heads in ``counts[s]`` chunks: (extra peak
     bytes, sent fwd, sent bwd, largest share of the heads, that rank's chunks, all-to-alls forward),
     rank 0's (the largest share: tensor_split gives the first ranks the extra heads). ``split``: the
-    windows are attended one at a time (else a chunk's queries are held whole)."""
+    windows are attended one at a time (else a chunk's queries are held whole). ``phased``: a forward
+    without autograd, in K/V phases where it runs (:mod:`.phased`; zigzag positions, ``causal``)."""
     shares = head_split(heads, kv_heads, ranks)
     unit = batch * tokens * dim * b  # one head of one rank's tokens
     mine = shares[0]
@@ -118,6 +123,8 @@ def _ulysses(
     # all-to-alls: per exchange of chunks, K and V (when a slot travels) and q and the output, per window
     calls = sum((2 if any(c.new_kv for c in cs) else 0) + 2 for cs in per_rank) * w
     whole = ranks * unit  # one head of every token
+    if phased and split and w > 1 and ranks > 1 and aligned(per_rank):
+        return _phased(shares, per_rank, batch=batch, tokens=tokens, dim=dim, b=b, w=w, causal=causal)
     # the most alive at once, beyond this rank's q, k, v and output, per chunk of w heads reading s slots.
     # One window: K, then V arriving (K whole, V's message and its receive buffer); the slot and q
     # arriving; the slot, q and the output; the slot, the output's message and what comes back. W
@@ -136,6 +143,52 @@ def _ulysses(
     return extra, fwd, bwd, mine.heads / heads, chunks, calls
 
 
+def _phased(
+    shares: list[HeadShare],
+    per_rank: list[list[Chunk]],
+    *,
+    batch: int,
+    tokens: int,
+    dim: int,
+    b: int,
+    w: int,
+    causal: bool,
+) -> tuple[int, int, int, float, list[Chunk], int]:
+    """:func:`_ulysses` for the phased forward (:mod:`.phased`), rank 0's, zigzag: each K/V slot travels
+    once; a query window once per phase it sees, and its output (with its log-sum-exp: one element more
+    per row) home as often; no backward. Memory: the largest phase's part of the slot, one window's
+    messages, and the home log-sum-exp of every head of this rank's tokens."""
+    ranks = len(shares)
+    length = ranks * tokens
+    edges = window_edges(length, min(w, length))
+    goes = [len(g) for g in sends(edges, edges, KV_PHASES, 0 if causal else None)]
+    held = [  # [s][i]: rank s's tokens in window i
+        [int(((p >= lo) & (p < hi)).sum()) for lo, hi in zip(edges, edges[1:])]
+        for p in layout_positions(length, ranks, "zigzag")
+    ]
+    token = batch * dim * b  # one head of one token
+    unit = token * tokens  # one head of one rank's tokens
+    mine = shares[0]
+    kv = sum(2 * len(s.kv) for s in shares[1:]) * unit
+    q = sum(s.heads for s in shares[1:]) * token * sum(n * g for n, g in zip(held[0], goes))
+    back = sum(n * g for s in range(1, ranks) for n, g in zip(held[s], goes))
+    out = mine.heads * batch * (dim + 1) * b * back
+    slots = sum(1 for cs in per_rank if any(c.new_kv for c in cs))
+    calls = slots * 2 * w + len(per_rank) * 2 * sum(goes)
+    whole = ranks * unit  # one head of every token
+    part = max(len(p) for p in phase_keys(edges, KV_PHASES))  # key windows of the largest phase
+    chunks = [cs[0] for cs in per_rank if cs[0].q]
+    extra = max(
+        (
+            2 * len(c.kv) * whole * part // w + max(len(c.kv), len(c.q)) * (ranks + 3) * whole // w
+            for c in chunks
+        ),
+        default=0,
+    )
+    heads = sum(s.heads for s in shares)
+    return extra + heads * batch * tokens * b, kv + q + out, 0, mine.heads / heads, chunks, calls
+
+
 def plan(
     seq_len: int,
     *,
@@ -150,6 +203,7 @@ def plan(
     ulysses_size: int | None = None,
     pieces: int | None = None,
     head_chunks: int | None = None,
+    training: bool = True,
 ) -> dict[str, Estimate]:
     """Predict, for ring, Ulysses and hybrid, memory per rank, bytes sent per rank and time, per layer.
 
@@ -164,6 +218,10 @@ def plan(
             None: as :func:`~multihead.distributed.ring_attention` chooses (pieces of >= 1024 keys, <= 4).
         head_chunks: the chunks Ulysses and hybrid exchange each rank's heads in (None: as they choose;
             see :func:`~multihead.distributed.ulysses_attention`).
+        training: a forward that autograd records, and its backward. False: inference (no backward:
+            its bytes and time are 0), where Ulysses streams a chunk's K/V in phases when it attends in
+            windows (:mod:`multihead.distributed.phased`): half the K/V head held, queries and outputs
+            that see both halves sent twice.
 
     Returns ``{"ring": Estimate, "ulysses": Estimate, "hybrid": Estimate}``. For ``world=4``, L = 16k,
     H = Hkv = 8, D = 64 in float32, the ring sends 3 K/V shards forward: 3 * 2 * 4096 * 8 * 64 * 4 bytes.
@@ -213,6 +271,8 @@ def plan(
         b=b,
         counts=[count] * world,
         split=not causal or dtype_bytes >= 4,  # causal windows one at a time: the CPU's fused kernel
+        phased=not training,
+        causal=causal,
     )
     heavy = share * world  # the rank with the most heads sets the pace
     msgs = calls * (world - 1) * rates.latency  # every all-to-all: a message to each other rank
@@ -265,4 +325,6 @@ def plan(
         rtf + uf / rates.link + msgs,
         rtb + ub / rates.link + msgs,
     )
+    if not training:  # a forward only: nothing goes backward
+        out = {k: replace(e, sent_backward=0, seconds_backward=0.0) for k, e in out.items()}
     return out

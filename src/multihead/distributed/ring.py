@@ -40,7 +40,7 @@ from .blocks import (
     sinks_grad,
 )
 
-__all__ = ["PIECE_KEYS", "auto_pieces", "ring_attention", "ring_with_plan"]
+__all__ = ["PIECE_KEYS", "auto_pieces", "ring_attention", "ring_forward", "ring_with_plan"]
 
 # P2P tags: K, V, the key mask, dK and dV may all be in flight between the same two ranks at once
 _TAG_K, _TAG_V, _TAG_MASK, _TAG_DK, _TAG_DV, _TAG_IDS = 1, 2, 3, 4, 5, 6
@@ -145,7 +145,7 @@ def _unpack(msg: list[Tensor], plan: Plan) -> Shard:
 # ----------------------------------------------------------------------------------------------
 
 
-def _ring_forward(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None, plan: Plan) -> SoftmaxState:
+def ring_forward(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None, plan: Plan) -> SoftmaxState:
     """Output (B, H, Lq, Dv) and log-sum-exp (B, H, Lq) over every rank's keys, in the compute dtype."""
     dtype = plan.compute_dtype
     qa = prepare(q, dtype)  # (B, H, Lq, Dk)
@@ -304,7 +304,7 @@ class _RingAttention(torch.autograd.Function):
     def forward(
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None, plan: Plan, sinks: Tensor | None
     ) -> Tensor:
-        state = _ring_forward(q, k, v, key_mask, plan)
+        state = ring_forward(q, k, v, key_mask, plan)
         if sinks is not None:  # one more column of every row's softmax, merged once, on the row's rank
             add_sinks(state, sinks)
         ctx.save_for_backward(q, k, v, state.out, state.lse, sinks)

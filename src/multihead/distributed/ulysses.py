@@ -22,6 +22,10 @@ each window of queries arrives, is attended against them and goes home before th
 before it as a maskless rectangle and its diagonal as a triangle, merged by log-sum-exp); with mask or
 bias functions, dropout or a named backend, as :func:`multihead.attention_with` on the keys it sees.
 
+Without autograd (no rank records a backward) the windows run in K/V *phases* instead
+(:mod:`.phased`): half the chunk's K/V head at a time, each window of queries attended against one half
+and merged at home by log-sum-exp, the windows that see both halves sent twice.
+
 Heads are split as evenly as ``torch.tensor_split`` cuts them, so any P works: H % P != 0 gives some
 ranks one head more, H < P leaves ranks idle. A rank needs the key/value heads its query heads read;
 when its query heads cover whole groups of G (always when Hkv % P == 0) it gets those Hkv_r heads
@@ -45,7 +49,7 @@ from torch import Tensor
 from ..core.attention import attention_with
 from ..core.options import AttentionOptions
 from .agree import Plan, Shard, check_head_chunks, make_plan
-from .blocks import Block, make_block, shares_ids
+from .blocks import Block, SoftmaxState, make_block, shares_ids
 from .exchange import (
     Attend,
     HeadShare,
@@ -56,7 +60,8 @@ from .exchange import (
     head_split,
     rank_chunks,
 )
-from .ring import ring_with_plan
+from .phased import KV_PHASES, aligned, attend_in_phases
+from .ring import ring_forward, ring_with_plan
 from .sharding import Region, check_layout, split_region, visible_region
 
 __all__ = [
@@ -133,7 +138,9 @@ def ulysses_attention(
 
     Memory per rank beyond its q, k, v and output: the K/V slot a chunk reads, over the whole sequence,
     and one window of the chunk's queries, output and messages (a short sequence is one window: then
-    the chunk's queries and output over the whole sequence).
+    the chunk's queries and output over the whole sequence). A call that no rank's autograd records
+    holds half that slot at a time (:mod:`~multihead.distributed.phased`), and sends the queries and
+    outputs of the windows that see both halves of the keys twice.
     """
     options = AttentionOptions(
         mask=mask,
@@ -217,7 +224,8 @@ def ulysses_with_plan(
     most = max(s.heads for s in shares)
     lq_all, lk_all = sum(map(len, qp)), sum(map(len, kp))
     count = head_chunks or auto_head_chunks(plan.batch, lq_all, most, max(plan.dk, plan.dv))
-    w_most = max(len(c.q) for cs in rank_chunks(shares, [count] * plan.world) for c in cs)
+    exchanges = rank_chunks(shares, [count] * plan.world)
+    w_most = max(len(c.q) for cs in exchanges for c in cs)
     windows = auto_windows(plan.batch, lq_all, w_most, max(plan.dk, plan.dv), plan.world)
     mask, bias, sinks = options.mask, options.bias, options.sinks
     causal = plan.causal_offset is not None
@@ -227,8 +235,11 @@ def ulysses_with_plan(
     # it: the order of the exchanges follows from it.
     fused = plan.kernel == "flash" and plan.compute_dtype == q.dtype
     split = windows > 1 and (not causal or fused)
-    blocks = split and causal and options.softcap is None and options.dropout == 0 and backend == "auto"
-    blocks = blocks and mask is None and bias is None  # the blocks take no functions
+    ring_kernels = options.dropout == 0 and backend == "auto" and mask is None and bias is None
+    blocks = split and causal and options.softcap is None and ring_kernels
+    if split and not plan.grad and ring_kernels and plan.compute_dtype == q.dtype and aligned(exchanges):
+        # no rank records a backward: K/V in phases, a part of the slot held at a time (.phased)
+        return _in_phases(q, k, v, keep, plan, options, shares, count, windows)
 
     def attend(x: Attend) -> Tensor:
         w, (a, z) = x.q.shape[1], (x.rows.start, x.rows.stop)
@@ -239,7 +250,7 @@ def ulysses_with_plan(
         ids = options.segment_ids
         if blocks:
             assert ids is None or isinstance(ids, tuple)
-            local = _window_plan(plan, x, lk_all, vl, ids, keep is not None, options.softcap)
+            local = _window_plan(plan, x, range(lk_all), vl, ids, keep is not None, options.softcap)
             return ring_with_plan(x.q, x.k, x.v, keep, local, mine)  # (B, w, z - a, Dv)
         m = lk_all  # the keys some query of the window may see: bottom-right causal stops at z + L_k - L_q
         if causal and (a, z) != (0, lq_all):
@@ -266,10 +277,53 @@ def ulysses_with_plan(
     )  # (B, H, Lq_r, Dv)
 
 
+def _in_phases(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    keep: Tensor | None,
+    plan: Plan,
+    options: AttentionOptions,
+    shares: list[HeadShare],
+    count: int,
+    windows: int,
+) -> Tensor:
+    """Ulysses in :data:`~.phased.KV_PHASES` K/V phases (:func:`~.phased.attend_in_phases`), each window
+    of queries on the ring's blocks against one phase's keys; ``keep`` (B, L_k) gathered key padding,
+    ``options`` with the gathered ``valid_lens`` and ``segment_ids``. q (B, H, Lq_r, Dk) -> (B, H, Lq_r, Dv)."""
+
+    def attend(x: Attend) -> SoftmaxState:
+        keys = x.keys if x.keys is not None else range(sum(map(len, plan.k_pos)))
+        vl = options.valid_lens
+        if vl is not None and vl.dim() == 2:
+            vl = vl[:, x.rows.start : x.rows.stop]  # (B, b - a): the window's rows
+        ids = options.segment_ids
+        assert ids is None or isinstance(ids, tuple)
+        local = _window_plan(plan, x, keys, vl, ids, keep is not None, options.softcap)
+        kept = None if keep is None else keep[:, keys.start : keys.stop]  # (B, |keys|)
+        return ring_forward(x.q, x.k, x.v, kept, local)  # (B, w, b - a, Dv), (B, w, b - a)
+
+    return attend_in_phases(
+        q,
+        k,
+        v,
+        shares,
+        (plan.q_pos_all, plan.k_pos),
+        plan.group,
+        [count] * plan.world,
+        attend,
+        windows=windows,
+        phases=KV_PHASES,
+        offset=plan.causal_offset,
+        sinks=options.sinks,
+    )  # (B, H, Lq_r, Dv)
+
+
 @dataclass(frozen=True, kw_only=True)
 class _WindowPlan(Plan):
     """The ring's blocks (:mod:`.ring`) on a group of one, no message: one window of queries, at
-    positions ``q_pos`` = [a, b), against a chunk's keys at positions 0 .. L_k - 1. With ``causal`` the
+    positions ``q_pos`` = [a, b), against a chunk's keys at positions ``k_pos`` (0 .. L_k - 1, or one
+    phase's keys: :mod:`.phased`). With ``causal`` the
     window is a maskless rectangle (the keys every row of it sees) and the diagonal triangle, merged by
     their log-sum-exp, so no (rows, keys) mask exists: ``multihead.attention`` would build one for a
     bottom-right causal mask with fewer queries than keys."""
@@ -277,10 +331,10 @@ class _WindowPlan(Plan):
     def blocks(self, src: int, shard: Shard, device: torch.device, piece: int = 0) -> list[Block]:
         q_pos, k_pos, off = self.q_pos, self.k_pos[0], self.causal_offset
         n, lk, rows = len(q_pos), len(k_pos), slice(0, len(q_pos))
-        if off is None:
+        c0 = None if off is None else int(q_pos[0]) + off - int(k_pos[0])  # row i sees local keys .. c0 + i
+        if c0 is None or c0 >= lk - 1:  # every row sees every key
             regions = [Region(rows, slice(0, lk), None, False)]
-        elif 0 <= int(q_pos[0]) + off and int(q_pos[0]) + off + n <= lk:
-            c0 = int(q_pos[0]) + off  # row i sees keys 0 .. c0 + i
+        elif 0 <= c0 and c0 + n <= lk:
             regions = [Region(rows, slice(0, c0), None, False)] if c0 else []
             regions.append(Region(rows, slice(c0, c0 + n), None, True))
         else:  # rows before the first key or past the last (L_k < L_q): the ring's own cut
@@ -299,13 +353,13 @@ class _WindowPlan(Plan):
 def _window_plan(
     plan: Plan,
     x: Attend,
-    lk: int,
+    keys: range,
     valid_lens: Tensor | None,
     ids: tuple[Tensor, Tensor] | None,
     has_key_mask: bool,
     softcap: float | None,
 ) -> _WindowPlan:
-    """The :class:`_WindowPlan` of one window ``x`` (queries at ``x.rows``, keys 0 .. ``lk`` - 1):
+    """The :class:`_WindowPlan` of one window ``x`` (queries at ``x.rows``, keys at ``keys``):
     ``valid_lens`` (B,) or the window's (B, b - a), ``ids`` (q_ids (B, L_q), kv_ids (B, L_k)) or None."""
     a, z = x.rows.start, x.rows.stop
     fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}
@@ -318,13 +372,13 @@ def _window_plan(
             "next_peer": 0,
             "prev_peer": 0,
             "q_pos_all": [torch.arange(a, z)],
-            "k_pos": [torch.arange(lk)],
+            "k_pos": [torch.arange(keys.start, keys.stop)],
             "heads": x.q.shape[1],
             "kv_heads": x.k.shape[1],
             "valid_lens": valid_lens,
             "has_key_mask": has_key_mask,
             "q_ids": None if ids is None else ids[0][:, a:z],
-            "kv_ids": None if ids is None else ids[1],
+            "kv_ids": None if ids is None else ids[1][:, keys.start : keys.stop],
             "pieces": 1,
             "softcap": softcap,
             "kernel": "math" if softcap is not None else plan.kernel,

@@ -14,7 +14,7 @@ Two models of realistic width, built from configs with random weights (nothing d
   multihead reads it as sequence ids and attends each sequence on its own.
 
 The same weights run with ``attn_implementation`` = eager, sdpa and multihead; calls are timed in
-interleaved rounds (the order rotates each round) and reported as median and interquartile range of
+interleaved rounds (in balanced orders: each after each other equally often) and reported as median and interquartile range of
 the process's CPU time (robust on a shared machine; wall time is recorded too). Each model runs a
 moderate and a long sequence: the longer the sequence, the larger attention's share of the time.
 Targets: multihead >= 1.0x sdpa's speed without weights, >= 1.3x eager's speed with
@@ -41,6 +41,7 @@ import torch
 import transformers as T
 
 from multihead.bench.contenders import matmul_step
+from multihead.bench.measure import balanced_orders
 from multihead.bench.pair import machine
 from multihead.bench.stats import spread
 from multihead.integrations import transformers as mhtf
@@ -190,9 +191,9 @@ def run(rounds: int, new_tokens: int) -> tuple[list[dict], list[float]]:
                 timed_on(model, impl, fn)
             cpu: dict[str, list[float]] = {impl: [] for impl in task.impls}
             wall: dict[str, list[float]] = {impl: [] for impl in task.impls}
+            orders = balanced_orders(len(task.impls))  # each after each other equally often
             for r in range(rounds):
-                k = r % len(task.impls)
-                for impl in task.impls[k:] + task.impls[:k]:  # the order rotates every round
+                for impl in (task.impls[j] for j in orders[r % len(orders)]):
                     c, w = timed_on(model, impl, fn)
                     cpu[impl].append(c)
                     wall[impl].append(w)
@@ -247,7 +248,7 @@ def markdown(records: list[dict], meta: dict) -> str:
         "# Hugging Face models: eager / sdpa / multihead attention (CPU)",
         "",
         f"{meta['when']}, {meta.get('cpu', 'CPU not recorded')}, torch {meta['torch']}, transformers {meta['transformers']}, {meta['threads']} thread(s), "
-        f"{meta['rounds']} interleaved rounds (the order rotates every round), load average "
+        f"{meta['rounds']} interleaved rounds (in balanced orders: each after each other equally often), load average "
         f"{meta.get('load_average', 'not recorded')} at the end of the run. Times are the process's CPU seconds "
         "per call, which waiting for a core does not inflate; median [IQR]. Speed-up = the peer's time / multihead's time in the same "
         "round, median [IQR]; the wall-clock speed-up is listed too. The yardstick, timed once in every round: "

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from multihead import cli
+from multihead.bench.measure import balanced_orders
 from multihead.bench.stats import spread
 from multihead.testing import minilm_dir, render, render_seconds
 
@@ -88,8 +89,9 @@ def main() -> int:
             if check[k].status != "ready" or check[k].console:
                 raise SystemExit(f"page {k} did not render cleanly: {check[k]}")
         seconds: dict[object, list[float]] = {k: [] for k in names}
+        orders = balanced_orders(len(names))  # interleaved: each after each other equally often
         for r in range(rounds):
-            for k in names[r % 3 :] + names[: r % 3]:  # interleaved, the order rotating each round
+            for k in (names[j] for j in orders[r % len(orders)]):
                 seconds[k].append(render_seconds(blank if k == "blank" else pages[k]))
             print(
                 f"round {r + 1}/{rounds}: " + ", ".join(f"{k}: {seconds[k][-1]:.2f} s" for k in names),
@@ -145,8 +147,8 @@ def markdown(r: dict) -> str:
     lines = [
         "# `multihead view`: page size and render time (all-MiniLM-L6-v2, 6 layers x 12 heads)",
         "",
-        f"{r['date']}, torch {r['torch']}, Python {r['python']}, {r['rounds']} interleaved rounds (the order "
-        f"rotates every round), load average {r['load_average']} on {r['cpus']} CPUs at the end"
+        f"{r['date']}, torch {r['torch']}, Python {r['python']}, {r['rounds']} interleaved rounds (in balanced "
+        f"orders: each after each other equally often), load average {r['load_average']} on {r['cpus']} CPUs at the end"
         f"{busy}. *Render*: real "
         "seconds from telling an already started headless Chromium (DevTools protocol, every host name "
         "unresolvable) to open the page from file:// until the page reports every thumbnail and the head view "

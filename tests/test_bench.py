@@ -304,9 +304,22 @@ def test_every_target_names_a_run_of_its_case(suite):
             assert t.peer is None or t.peer in labels or t.peer in contenders, (case.name, t)
 
 
-def test_interleaved_rounds_rotate_the_order_and_drop_a_failing_step():
-    """Every step runs after every other equally often (what runs before a step changes its time), and a
-    step that raises leaves the later rounds with its error reported."""
+@pytest.mark.parametrize("n", range(1, 9))
+def test_balanced_orders_put_every_step_after_every_other_equally_often(n):
+    from collections import Counter
+
+    from multihead.bench.measure import balanced_orders
+
+    orders = balanced_orders(n)
+    assert all(sorted(o) == list(range(n)) for o in orders)
+    after = Counter((o[j], o[j + 1]) for o in orders for j in range(n - 1))
+    assert set(after) == {(a, b) for a in range(n) for b in range(n) if a != b}  # every ordered pair ...
+    assert len(set(after.values())) <= 1  # ... equally often (a rotation keeps each step's predecessor)
+
+
+def test_interleaved_rounds_balance_the_order_and_drop_a_failing_step():
+    """Over a cycle of rounds every step runs right after every other equally often (what runs before a
+    step changes its time), and a step that raises leaves the later rounds with its error reported."""
     from multihead.bench.contenders import Step
     from multihead.bench.measure import interleaved
 
@@ -322,6 +335,12 @@ def test_interleaved_rounds_rotate_the_order_and_drop_a_failing_step():
     settings = Settings(warmup=0, min_rounds=3, max_rounds=3, budget_s=0.0)
     steps = {"a": record("a"), "b": record("b"), "c": Step(broken)}
     times, errors = interleaved(steps, torch.device("cpu"), settings, lambda text: None)
-    assert calls == ["a", "b", "c", "b", "a", "a", "b"]  # round 2 starts at b, round 3 at a (c is gone)
+    assert calls == ["a", "b", "c", "b", "a", "a", "b"]  # then b a, a b: each after the other once (c gone)
     assert len(times["a"]) == len(times["b"]) == 3 and "c" not in times
     assert errors["c"].startswith("error: RuntimeError: no")
+    calls.clear()
+    settings = Settings(warmup=0, min_rounds=4, max_rounds=4, budget_s=0.0)
+    interleaved({n: record(n) for n in "wxyz"}, torch.device("cpu"), settings, lambda text: None)
+    rounds = [calls[i : i + 4] for i in range(0, 16, 4)]
+    pairs = {(r[j], r[j + 1]) for r in rounds for j in range(3)}
+    assert len(pairs) == 12  # 4 rounds of 4 steps: all 12 ordered pairs, each once

@@ -25,7 +25,7 @@ import torch
 
 from .contenders import Step
 
-__all__ = ["Settings", "available_bytes", "interleaved", "peak_memory", "track_cpu_memory"]
+__all__ = ["Settings", "available_bytes", "balanced_orders", "interleaved", "peak_memory", "track_cpu_memory"]
 
 
 class Settings(NamedTuple):
@@ -64,19 +64,20 @@ def interleaved(
 ) -> tuple[dict[str, list[float]], dict[str, str]]:
     """Time ``steps`` in interleaved rounds; returns (times after warm-up per label, errors per label).
 
-    The order rotates every round, so that every step runs after every other equally often: what runs
-    before a step changes its time (a large matmul leaves the caches cold: at B=64, L=5 the step right
-    after the yardstick took 1.14x its peer's time, against 1.02x in the other order). A step that raises
-    is dropped from the later rounds and reported in the errors (the suite goes on).
+    Each round runs the steps in the next order of :func:`balanced_orders`, so that over a cycle of
+    rounds every step runs right after every other equally often: what runs before a step changes its
+    time (a large matmul leaves the caches cold: at B=64, L=5 the module right after the yardstick took
+    1.13x torch's time). A step that raises is dropped from the later rounds and reported in the errors
+    (the suite goes on).
     """
     live = dict(steps)
     times: dict[str, list[float]] = {k: [] for k in steps}
     errors: dict[str, str] = {}
     t_start, i = time.perf_counter(), 0
     while live:
-        order = list(live.items())
-        shift = i % len(order)
-        for label, step in order[shift:] + order[:shift]:
+        steps_now = list(live.items())
+        orders = balanced_orders(len(steps_now))
+        for label, step in (steps_now[j] for j in orders[i % len(orders)]):
             try:
                 dt = _timed(step, device)
             except Exception as exc:  # a peer that fails is reported, the others go on
@@ -98,6 +99,22 @@ def interleaved(
         ):
             break
     return times, errors
+
+
+def balanced_orders(n: int) -> list[list[int]]:
+    """Orders of ``n`` steps in which every step comes right after every other step equally often: a
+    Williams design, ``n`` orders for an even ``n`` (each ordered pair once), ``2n`` for an odd one (the
+    orders and their mirrors, each pair twice). A rotation (A B C, B C A, C A B) would not do: it keeps
+    every step's predecessor. ``balanced_orders(4)[0] == [0, 1, 3, 2]``."""
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    orders = [[(j + i) % n for j in first] for i in range(n)]
+    return orders if n % 2 == 0 else orders + [o[::-1] for o in orders]
 
 
 def _rss() -> tuple[int, int]:

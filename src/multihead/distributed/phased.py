@@ -47,11 +47,18 @@ from .exchange import (
     window_edges,
 )
 
-__all__ = ["KV_PHASES", "aligned", "attend_in_phases", "phase_keys", "runs", "sends"]
+__all__ = ["KV_PHASES", "aligned", "attend_in_phases", "phase_keys", "phases_for", "runs", "sends"]
 
 KV_PHASES = 2
 """How many phases a chunk's K/V travel in when the phased schedule runs: each holds half of the K/V
-head; more phases hold less and send the queries and outputs of more windows again."""
+head; more phases hold less and send the queries and outputs of more windows again. 1 turns the schedule
+off (every rank must set the same value: it decides the exchanges)."""
+
+
+def phases_for(exchanges: Sequence[Sequence[Chunk]]) -> int:
+    """The phases a windowed forward without autograd runs in: :data:`KV_PHASES` where the exchanges are
+    :func:`aligned`, else 1 (the whole-head schedule of :func:`~.exchange.attend_in_chunks`)."""
+    return KV_PHASES if KV_PHASES > 1 and aligned(exchanges) else 1
 
 
 def aligned(exchanges: Sequence[Sequence[Chunk]]) -> bool:

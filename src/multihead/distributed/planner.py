@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 from .exchange import Chunk, HeadShare, auto_head_chunks, auto_windows, head_split, rank_chunks, window_edges
 from .hybrid import choose_ulysses_size, hybrid_head_chunks
-from .phased import KV_PHASES, aligned, phase_keys, sends
+from .phased import phase_keys, phases_for, sends
 from .ring import PIECE_KEYS
 from .sharding import layout_positions
 
@@ -123,8 +123,11 @@ def _ulysses(
     # all-to-alls: per exchange of chunks, K and V (when a slot travels) and q and the output, per window
     calls = sum((2 if any(c.new_kv for c in cs) else 0) + 2 for cs in per_rank) * w
     whole = ranks * unit  # one head of every token
-    if phased and split and w > 1 and ranks > 1 and aligned(per_rank):
-        return _phased(shares, per_rank, batch=batch, tokens=tokens, dim=dim, b=b, w=w, causal=causal)
+    phases = phases_for(per_rank) if phased and split and w > 1 and ranks > 1 else 1
+    if phases > 1:
+        return _phased(
+            shares, per_rank, batch=batch, tokens=tokens, dim=dim, b=b, w=w, causal=causal, phases=phases
+        )
     # the most alive at once, beyond this rank's q, k, v and output, per chunk of w heads reading s slots.
     # One window: K, then V arriving (K whole, V's message and its receive buffer); the slot and q
     # arriving; the slot, q and the output; the slot, the output's message and what comes back. W
@@ -153,6 +156,7 @@ def _phased(
     b: int,
     w: int,
     causal: bool,
+    phases: int,
 ) -> tuple[int, int, int, float, list[Chunk], int]:
     """:func:`_ulysses` for the phased forward (:mod:`.phased`), rank 0's, zigzag: each K/V slot travels
     once; a query window once per phase it sees, and its output (with its log-sum-exp: one element more
@@ -161,7 +165,7 @@ def _phased(
     ranks = len(shares)
     length = ranks * tokens
     edges = window_edges(length, min(w, length))
-    goes = [len(g) for g in sends(edges, edges, KV_PHASES, 0 if causal else None)]
+    goes = [len(g) for g in sends(edges, edges, phases, 0 if causal else None)]
     held = [  # [s][i]: rank s's tokens in window i
         [int(((p >= lo) & (p < hi)).sum()) for lo, hi in zip(edges, edges[1:])]
         for p in layout_positions(length, ranks, "zigzag")
@@ -176,7 +180,7 @@ def _phased(
     slots = sum(1 for cs in per_rank if any(c.new_kv for c in cs))
     calls = slots * 2 * w + len(per_rank) * 2 * sum(goes)
     whole = ranks * unit  # one head of every token
-    part = max(len(p) for p in phase_keys(edges, KV_PHASES))  # key windows of the largest phase
+    part = max(len(p) for p in phase_keys(edges, phases))  # key windows of the largest phase
     chunks = [cs[0] for cs in per_rank if cs[0].q]
     extra = max(
         (

@@ -60,7 +60,7 @@ from .exchange import (
     head_split,
     rank_chunks,
 )
-from .phased import KV_PHASES, aligned, attend_in_phases
+from .phased import attend_in_phases, phases_for
 from .ring import ring_forward, ring_with_plan
 from .sharding import Region, check_layout, split_region, visible_region
 
@@ -237,9 +237,11 @@ def ulysses_with_plan(
     split = windows > 1 and (not causal or fused)
     ring_kernels = options.dropout == 0 and backend == "auto" and mask is None and bias is None
     blocks = split and causal and options.softcap is None and ring_kernels
-    if split and not plan.grad and ring_kernels and plan.compute_dtype == q.dtype and aligned(exchanges):
-        # no rank records a backward: K/V in phases, a part of the slot held at a time (.phased)
-        return _in_phases(q, k, v, keep, plan, options, shares, count, windows)
+    phases = 1
+    if split and not plan.grad and ring_kernels and plan.compute_dtype == q.dtype:
+        phases = phases_for(exchanges)
+    if phases > 1:  # no rank records a backward: K/V in phases, a part of the slot held at a time (.phased)
+        return _in_phases(q, k, v, keep, plan, options, shares, (count, windows, phases))
 
     def attend(x: Attend) -> Tensor:
         w, (a, z) = x.q.shape[1], (x.rows.start, x.rows.stop)
@@ -285,12 +287,13 @@ def _in_phases(
     plan: Plan,
     options: AttentionOptions,
     shares: list[HeadShare],
-    count: int,
-    windows: int,
+    sizes: tuple[int, int, int],
 ) -> Tensor:
-    """Ulysses in :data:`~.phased.KV_PHASES` K/V phases (:func:`~.phased.attend_in_phases`), each window
-    of queries on the ring's blocks against one phase's keys; ``keep`` (B, L_k) gathered key padding,
-    ``options`` with the gathered ``valid_lens`` and ``segment_ids``. q (B, H, Lq_r, Dk) -> (B, H, Lq_r, Dv)."""
+    """Ulysses in K/V phases (:func:`~.phased.attend_in_phases`), each window of queries on the ring's
+    blocks against one phase's keys; ``keep`` (B, L_k) gathered key padding, ``options`` with the gathered
+    ``valid_lens`` and ``segment_ids``, ``sizes`` (head chunks, windows, phases).
+    q (B, H, Lq_r, Dk) -> (B, H, Lq_r, Dv)."""
+    count, windows, phases = sizes
 
     def attend(x: Attend) -> SoftmaxState:
         keys = x.keys if x.keys is not None else range(sum(map(len, plan.k_pos)))
@@ -313,7 +316,7 @@ def _in_phases(
         [count] * plan.world,
         attend,
         windows=windows,
-        phases=KV_PHASES,
+        phases=phases,
         offset=plan.causal_offset,
         sinks=options.sinks,
     )  # (B, H, Lq_r, Dv)

@@ -134,8 +134,8 @@ def attend_in_phases(
                 route = Route(slots, kp, group, rank, k_edges)
                 kh, vh = heads_out(k, route, part), heads_out(v, route, part)  # (B, n, |keys|, D)
                 for cs in (exchanges[i] for i in run):
-                    _phase(q, state, cs, shares, Route(_heads(shares, cs), qp, group, rank, q_edges), goes, j,
-                           attend, (kh, vh, keys))  # fmt: skip
+                    route = Route(_heads(shares, cs), qp, group, rank, q_edges)
+                    _phase(q, state, (cs, shares, route), goes, j, attend, (kh, vh, keys))
                 del kh, vh
         if sinks is not None:  # one more column of every row's softmax, once, on the row's rank
             add_sinks(state, sinks)
@@ -150,16 +150,16 @@ def _heads(shares: Sequence[HeadShare], cs: Sequence[Chunk]) -> tuple[tuple[int,
 def _phase(
     q: Tensor,
     state: SoftmaxState,
-    cs: Sequence[Chunk],
-    shares: Sequence[HeadShare],
-    route: Route,
+    exchange: tuple[Sequence[Chunk], Sequence[HeadShare], Route],
     goes: list[list[int]],
     j: int,
     attend: Callable[[Attend], SoftmaxState],
     kv: tuple[Tensor, Tensor, range],
 ) -> None:
-    """Phase ``j`` of one exchange: every query window that sees its keys, attended and merged at home."""
-    rank, (kh, vh, keys) = route.rank, kv
+    """Phase ``j`` of one exchange (its chunks, the head shares, its queries' route): every query window
+    that sees the phase's keys ``kv``, attended and merged into ``state`` at home."""
+    (cs, shares, route), (kh, vh, keys) = exchange, kv
+    rank = route.rank
     mine = cs[rank]
     b, dv = q.shape[0], vh.shape[-1]
     edges = route.edges

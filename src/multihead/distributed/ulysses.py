@@ -326,10 +326,9 @@ def _in_phases(
 class _WindowPlan(Plan):
     """The ring's blocks (:mod:`.ring`) on a group of one, no message: one window of queries, at
     positions ``q_pos`` = [a, b), against a chunk's keys at positions ``k_pos`` (0 .. L_k - 1, or one
-    phase's keys: :mod:`.phased`). With ``causal`` the
-    window is a maskless rectangle (the keys every row of it sees) and the diagonal triangle, merged by
-    their log-sum-exp, so no (rows, keys) mask exists: ``multihead.attention`` would build one for a
-    bottom-right causal mask with fewer queries than keys."""
+    phase's keys: :mod:`.phased`). With ``causal`` the window is a maskless rectangle (the keys every row
+    of it sees) and the diagonal triangle, merged by their log-sum-exp, so no (rows, keys) mask exists:
+    ``multihead.attention`` would build one for a bottom-right causal mask with fewer queries than keys."""
 
     def blocks(self, src: int, shard: Shard, device: torch.device, piece: int = 0) -> list[Block]:
         q_pos, k_pos, off = self.q_pos, self.k_pos[0], self.causal_offset

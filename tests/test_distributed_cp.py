@@ -78,6 +78,7 @@ CASES = [
     _case("u-windows-float64", causal=True, layout="zigzag", dtype=torch.float64, lq=16, windows=2),
     _case("u-windows-unsplit", h=4, hkv=1, dk=5, dv=7, causal=True, windows=3),  # no fused kernel: at once
     _case("u-windows-plain", valid="B", lq=13, windows=2),
+    _case("u-windows-uneven", causal=True, lq=13, h=6, hkv=3, windows=3),  # uneven shards and head shares
     _case("h-windows", strategy="hybrid", h=8, hkv=2, causal=True, layout="zigzag", lq=24, windows=3),
     # hybrid: Ulysses groups of usize ranks (at 2 ranks: one group, no ring), the ring across them
     _case("h-plain", strategy="hybrid", h=4, hkv=2, causal=True, layout="zigzag", lq=16),
@@ -280,7 +281,7 @@ def test_ulysses_and_packed_ring_equal_one_process(world):
 # blocks serve; with functions, dropout or no fused kernel it keeps the whole-head schedule
 _INFERENCE = [c for c in CASES if c["strategy"] == "ulysses" and c["windows"]]
 _PHASED = {"u-windows-causal", "u-windows-striped", "u-windows-cross", "u-windows-options"}
-_PHASED |= {"u-windows-float64", "u-windows-plain"}
+_PHASED |= {"u-windows-float64", "u-windows-plain", "u-windows-uneven"}
 
 
 def _inference_case(c, rank, world):

@@ -20,7 +20,9 @@ Memory is the forward peak per rank in elements of the working dtype: this rank'
 output plus the strategy's buffers (ring: K/V messages in flight; Ulysses: the K/V head of the whole
 sequence a chunk reads and one window's queries, output and messages -- or, where a causal chunk is
 attended whole, its queries and output of the whole sequence: half precision, as on GPUs, where
-``dtype_bytes`` < 4; float32/float64 windows run one at a time on the CPU's fused kernel).
+``dtype_bytes`` < 4; float32/float64 windows run one at a time on the CPU's fused kernel). With
+``training=False`` (inference) Ulysses' windows run in K/V phases (:mod:`.phased`): part of the K/V head
+held, the queries and outputs that see several phases sent again, and nothing goes backward.
 """
 
 from __future__ import annotations

@@ -86,3 +86,9 @@ def test_inference_plan_streams_half_the_kv_head():
     assert train.sent_forward == 18 * u  # q 6, k and v 6, output 6 heads' worth to the other 3 ranks
     assert infer.sent_forward == 9 * u + 6 * u + 9 * u * 65 // 64  # q and output 1.5x, K/V once
     assert train.memory_bytes - infer.memory_bytes == 4 * u - 8 * 4096 * 4  # half a K/V head, less the lse
+
+
+def test_plan_refuses_flags_that_are_not_bools():
+    for name in ("causal", "training"):
+        with pytest.raises(TypeError, match=f"plan: {name} must be True or False, got 'no'"):
+            mhd.plan(16384, heads=8, head_dim=64, world=4, **{name: "no"})

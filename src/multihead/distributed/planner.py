@@ -232,6 +232,9 @@ def plan(
     Returns ``{"ring": Estimate, "ulysses": Estimate, "hybrid": Estimate}``. For ``world=4``, L = 16k,
     H = Hkv = 8, D = 64 in float32, the ring sends 3 K/V shards forward: 3 * 2 * 4096 * 8 * 64 * 4 bytes.
     """
+    for name, flag in (("causal", causal), ("training", training)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"plan: {name} must be True or False, got {flag!r}")
     if isinstance(machine, str) and machine not in PRESETS:
         raise ValueError(
             f"machine must be one of {sorted(PRESETS)} or a multihead.distributed.Machine, got {machine!r}"

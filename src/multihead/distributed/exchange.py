@@ -47,9 +47,9 @@ __all__ = [
     "Chunk",
     "HeadShare",
     "Route",
+    "Sequences",
     "attend_in_chunks",
     "auto_head_chunks",
-    "ascending",
     "auto_windows",
     "chunk_heads",
     "from_owners",
@@ -57,6 +57,7 @@ __all__ = [
     "head_split",
     "heads_out",
     "rank_chunks",
+    "sequences",
     "to_heads",
     "to_seq",
     "tokens_out",
@@ -399,7 +400,28 @@ class Attend(NamedTuple):
     keys: range | None = None  # the positions of k and v (None: the whole sequence, 0 .. L_k - 1)
 
 
-def ascending(positions: Sequence[Tensor]) -> tuple[Tensor, ...]:
+class Sequences(NamedTuple):
+    """Where the tokens of a sequence-parallel call are: each rank's query and key positions (ascending,
+    on the call's device) and the edges of the windows the query and key sequences move in."""
+
+    q_pos: tuple[Tensor, ...]
+    k_pos: tuple[Tensor, ...]
+    q_edges: tuple[int, ...]
+    k_edges: tuple[int, ...]
+
+
+def sequences(
+    positions: tuple[Sequence[Tensor], Sequence[Tensor]], windows: int, device: torch.device
+) -> Sequences:
+    """The :class:`Sequences` of ``positions`` (each rank's query positions, each rank's key positions)
+    moved in ``windows`` windows (fewer for a sequence shorter than that); a ``ValueError`` where some
+    rank's positions do not ascend."""
+    qp, kp = (_ascending([p.to(device) for p in side]) for side in positions)
+    lq, lk = sum(len(p) for p in qp), sum(len(p) for p in kp)
+    return Sequences(qp, kp, window_edges(lq, min(windows, lq)), window_edges(lk, min(windows, lk)))
+
+
+def _ascending(positions: Sequence[Tensor]) -> tuple[Tensor, ...]:
     for p in positions:
         if len(p) > 1 and not bool((p[1:] > p[:-1]).all()):
             raise ValueError("attend_in_chunks: every rank's positions must ascend (as every layout's do)")
@@ -430,14 +452,9 @@ def attend_in_chunks(
     (Ulysses), without it the chunk's queries are attended at once (hybrid: its ring needs them all).
     """
     rank = dist.get_rank(group)
-    device = q.device
-    qp = ascending([p.to(device) for p in positions[0]])
-    kp = ascending([p.to(device) for p in positions[1]])
+    qp, kp, q_edges, k_edges = sequences(positions, windows, q.device)
     b, _, lq, _ = q.shape
     dv = v.shape[-1]
-    lq_all, lk_all = sum(len(p) for p in qp), sum(len(p) for p in kp)
-    q_edges = window_edges(lq_all, min(windows, lq_all))
-    k_edges = window_edges(lk_all, min(windows, lk_all))
     out = q.new_empty(b, q.shape[1], lq, dv)  # (B, H, Lq_r, Dv): every chunk's heads are written in
     token = q.new_zeros(0)
     kh = vh = None

@@ -39,10 +39,10 @@ from .exchange import (
     Chunk,
     HeadShare,
     Route,
-    ascending,
     from_owners,
     heads_out,
     rank_chunks,
+    sequences,
     tokens_out,
     window_edges,
 )
@@ -112,13 +112,9 @@ def attend_in_phases(
     ``offset`` the causal offset (None: not causal); ``sinks`` (H,) merged once per row at the end.
     """
     rank = dist.get_rank(group)
-    qp = ascending([p.to(q.device) for p in positions[0]])
-    kp = ascending([p.to(q.device) for p in positions[1]])
+    qp, kp, q_edges, k_edges = sequences(positions, windows, q.device)
     b, h, lq, _ = q.shape
     dv = v.shape[-1]
-    lq_all, lk_all = sum(len(p) for p in qp), sum(len(p) for p in kp)
-    q_edges = window_edges(lq_all, min(windows, lq_all))
-    k_edges = window_edges(lk_all, min(windows, lk_all))
     goes = sends(q_edges, k_edges, phases, offset)
     with torch.no_grad():
         state = SoftmaxState(

@@ -14,8 +14,8 @@ Two models of realistic width, built from configs with random weights (nothing d
   multihead reads it as sequence ids and attends each sequence on its own.
 
 The same weights run with ``attn_implementation`` = eager, sdpa and multihead; calls are timed in
-interleaved rounds (in balanced orders: each after each other equally often) and reported as median and interquartile range of
-the process's CPU time (robust on a shared machine; wall time is recorded too). Each model runs a
+interleaved rounds (in balanced orders: each after each other equally often) and reported as median and
+interquartile range of the process's CPU time (robust on a shared machine; wall time is recorded too). Each model runs a
 moderate and a long sequence: the longer the sequence, the larger attention's share of the time.
 Targets: multihead >= 1.0x sdpa's speed without weights, >= 1.3x eager's speed with
 ``output_attentions=True`` (sdpa cannot return weights)::
@@ -248,8 +248,8 @@ def markdown(records: list[dict], meta: dict) -> str:
         "# Hugging Face models: eager / sdpa / multihead attention (CPU)",
         "",
         f"{meta['when']}, {meta.get('cpu', 'CPU not recorded')}, torch {meta['torch']}, transformers {meta['transformers']}, {meta['threads']} thread(s), "
-        f"{meta['rounds']} interleaved rounds (in balanced orders: each after each other equally often), load average "
-        f"{meta.get('load_average', 'not recorded')} at the end of the run. Times are the process's CPU seconds "
+        f"{meta['rounds']} interleaved rounds (in balanced orders: each after each other equally often), "
+        f"load average {meta.get('load_average', 'not recorded')} at the end of the run. Times are the process's CPU seconds "
         "per call, which waiting for a core does not inflate; median [IQR]. Speed-up = the peer's time / multihead's time in the same "
         "round, median [IQR]; the wall-clock speed-up is listed too. The yardstick, timed once in every round: "
         f"a {MATMUL_N} x {MATMUL_N} fp32 matmul at {_rate(meta)} GFLOP/s (wall clock, the same threads).",

@@ -148,8 +148,8 @@ def markdown(r: dict) -> str:
         "# `multihead view`: page size and render time (all-MiniLM-L6-v2, 6 layers x 12 heads)",
         "",
         f"{r['date']}, torch {r['torch']}, Python {r['python']}, {r['rounds']} interleaved rounds (in balanced "
-        f"orders: each after each other equally often), load average {r['load_average']} on {r['cpus']} CPUs at the end"
-        f"{busy}. *Render*: real "
+        f"orders: each after each other equally often), load average {r['load_average']} on {r['cpus']} CPUs "
+        f"at the end{busy}. *Render*: real "
         "seconds from telling an already started headless Chromium (DevTools protocol, every host name "
         "unresolvable) to open the page from file:// until the page reports every thumbnail and the head view "
         f"drawn; an empty page takes {iqr(r['empty_page_render_s'], 's')}. Median [IQR]. *Browser process*: "

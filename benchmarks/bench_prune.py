@@ -198,8 +198,9 @@ def markdown(res: dict) -> str:
         "from templates by the project (no target: for comparison). Every fourth sentence is held out from the "
         "command (*external*); the command splits the rest into train / validation / held out itself.",
         "",
-        "Stages: *pruned*: the heads the least-squares refit can best make up for, removed (greedy across "
-        "layers by refit residual, `prune.choose_compensable`); *+ refit*: layer by layer, on the pruned model's "
+        "Stages: *pruned*: the heads the least-squares refit can best make up for on texts it was not fit on, "
+        "removed (greedy across layers by the refit's residual in 4-fold cross-validation, "
+        "`prune.choose_compensable`); *+ refit*: layer by layer, on the pruned model's "
         "own inputs, each pruned layer's attention output projection refit by least squares (ridge 1e-2), then "
         "that layer's feed-forward output projection refit so that its residual sum matches the original's "
         "(ridge 0.3 toward its own weights), on the calibration lines plus two random crops of each "

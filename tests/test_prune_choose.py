@@ -111,3 +111,105 @@ def test_choose_compensable_prunes_a_duplicated_head_and_the_refit_makes_it_exac
     P.refit(student, teacher, batches, P.Embedding(), ["mha"], ridge=0.0)
     with torch.no_grad():
         torch.testing.assert_close(student(ids, att), teacher(ids, att), atol=1e-8, rtol=0)
+
+
+def test_fits_add_and_subtract_as_their_rows():
+    x, y = _data(n=50, seed=7)
+    whole, first, second = _fit(x, y, 1), _fit(x[:20], y[:20], 1), _fit(x[20:], y[20:], 1)
+    for got, want in ((first + second, whole), (whole - first, second)):
+        torch.testing.assert_close(got.gram, want.gram)
+        torch.testing.assert_close(got.cross, want.cross)
+        torch.testing.assert_close(got.y_sum, want.y_sum)
+        assert got.y_squares == pytest.approx(want.y_squares, rel=1e-12) and got.rows == want.rows
+
+
+def _cv_error(x, y, folds, cols, bias, ridge):
+    """Fold by fold: the fit on the other folds' rows, of ``cols`` only, measured on the fold's rows; summed.
+    (:class:`LeastSquares` scales the ridge by the mean diagonal over every column, so with a ridge this is
+    its answer only when ``cols`` is every column.)"""
+    total = 0.0
+    for f, held in enumerate(folds):
+        rest = torch.cat([g for i, g in enumerate(folds) if i != f])
+        w, b = _fit(x[rest][:, cols], y[rest], 1).solve(ridge=ridge, bias=bias)
+        total += float(((x[held][:, cols] @ w.T + (b if bias else 0) - y[held]) ** 2).sum())
+    return total
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_cross_validated_residual_is_each_left_out_folds_error(bias):
+    x, y = _data(n=48, seed=8)
+    folds = [torch.arange(f, 48, 3) for f in range(3)]
+    cv = P.CrossValidated([_fit(x[i], y[i], 1) for i in folds])
+    cols = torch.tensor([0, 2, 3, 5])
+    assert cv.residual(cols, ridge=0.0, bias=bias) == pytest.approx(
+        _cv_error(x, y, folds, cols, bias, 0.0), rel=1e-9
+    )
+    every = torch.arange(6)
+    assert cv.residual(every, ridge=0.05, bias=bias) == pytest.approx(
+        _cv_error(x, y, folds, every, bias, 0.05), rel=1e-9
+    )
+    assert cv.residual(cols, bias=bias) > _fit(x, y, 1).residual(cols, bias=bias)  # out of sample costs more
+    assert cv.spread() == pytest.approx(_fit(x, y, 1).spread(), rel=1e-12)
+
+
+def test_one_fold_is_the_in_sample_residual():
+    x, y = _data(seed=9)
+    cols = torch.tensor([1, 4])
+    assert P.CrossValidated([_fit(x, y, 1)]).residual(cols) == pytest.approx(_fit(x, y, 1).residual(cols))
+    with pytest.raises(ValueError, match="at least one fold"):
+        P.CrossValidated([P.LeastSquares(6, 4)])
+
+
+def _heads_module(n, weights, seed):
+    """``n`` rows of 3 heads x 4 columns; the output is a noiseless linear map of the heads, head ``h``'s
+    part scaled by ``weights[h]``. Returns the rows and a generator of fresh rows of the same map."""
+    g = torch.Generator().manual_seed(seed)
+    maps = [w * torch.randn(4, 6, generator=g, dtype=F64) for w in weights]
+    w = torch.cat(maps)  # (12, 6)
+
+    def draw(m, gen):
+        x = torch.randn(m, 12, generator=gen, dtype=F64)
+        return x, x @ w
+
+    return draw(n, g), draw
+
+
+def test_out_of_sample_choice_spares_a_module_whose_fit_does_not_carry_over():
+    """Module ``a`` has few rows for its 13 unknowns: in sample, the other heads' columns mimic a removed
+    head's part, so removing one looks cheap. Module ``b`` has many rows and one weak head. Out of sample
+    the removal from ``a`` costs more than ``b``'s weak head, and that is what the cross-validated choice sees
+    and the in-sample choice does not; on fresh rows its choice is the better one."""
+    (xa, ya), draw_a = _heads_module(16, [1.0, 1.0, 1.0], seed=10)
+    (xb, yb), draw_b = _heads_module(400, [1.0, 1.0, 0.6], seed=11)
+    heads_ = {"a": 3, "b": 3}
+    in_sample = {"a": _fit(xa, ya, 1), "b": _fit(xb, yb, 1)}
+    deal = {k: [torch.arange(f, len(x), 4) for f in range(4)] for k, x in (("a", xa), ("b", xb))}
+    data = {"a": (xa, ya), "b": (xb, yb)}
+    cv = {k: P.CrossValidated([_fit(data[k][0][i], data[k][1][i], 1) for i in deal[k]]) for k in heads_}
+    chose_in, chose_cv = compensable_heads(in_sample, heads_, 1), compensable_heads(cv, heads_, 1)
+    assert list(chose_in) == ["a"] and chose_cv == {"b": [2]}
+
+    def fresh_cost(module, removed):  # the refit on the module's rows, measured on 4000 fresh ones
+        x, y = data[module]
+        keep = torch.cat([torch.arange(h * 4, h * 4 + 4) for h in range(3) if h not in removed])
+        w, b = _fit(x[:, keep], y, 1).solve()
+        xf, yf = (draw_a if module == "a" else draw_b)(4000, torch.Generator().manual_seed(12))
+        return float(((xf[:, keep] @ w.T + b - yf) ** 2).sum() / ((yf - yf.mean(0)) ** 2).sum())
+
+    (name_in, hs_in), (name_cv, hs_cv) = next(iter(chose_in.items())), next(iter(chose_cv.items()))
+    assert fresh_cost(name_cv, hs_cv) < fresh_cost(name_in, hs_in)
+
+
+def test_output_folds_deal_the_texts_in_turn_and_add_up_to_the_whole_fit():
+    torch.manual_seed(0)
+    model = _Toy().double().eval()
+    ids = torch.randint(0, 30, (7, 5), generator=torch.Generator().manual_seed(2))
+    att = torch.ones(7, 5, dtype=torch.long)
+    att[3, 3:] = 0  # text 3 (fold 0 of 3) has 3 real tokens
+    batches = [P.Batch({"input_ids": ids[:4], "attention_mask": att[:4]}),
+               P.Batch({"input_ids": ids[4:], "attention_mask": att[4:]})]  # fmt: skip
+    parts = P.output_folds(model, batches, P.Embedding(), 3)["mha"]
+    assert [p.rows for p in parts] == [5 + 3 + 5, 5 + 5, 5 + 5]  # texts (0, 3, 6), (1, 4), (2, 5)
+    whole = P.output_fits(model, batches, P.Embedding())["mha"]
+    torch.testing.assert_close((parts[0] + parts[1] + parts[2]).gram, whole.gram)
+    torch.testing.assert_close((parts[0] + parts[1] + parts[2]).cross, whole.cross)

@@ -12,7 +12,8 @@ Dimensions: B batch, L tokens, E hidden width, V vocabulary, N texts, P = N (N -
 2. pick the checkpoint's objective (:data:`OBJECTIVES`: one class per kind, :mod:`.objectives`) and choose
    the heads the refit can best make up for: greedily, across layers, the head whose removal leaves the
    least of its layer's output (relative to that output's spread) outside what a least-squares map of
-   the kept heads reproduces (:func:`choose_compensable`, :mod:`.choose`; no layer is ever emptied);
+   the kept heads reproduces on texts the map was not fit on (:data:`FOLDS`-fold cross-validation,
+   :class:`CrossValidated`; :func:`choose_compensable`, :mod:`.choose`; no layer is ever emptied);
 3. refit, layer by layer (each on the inputs the refits before it give), each pruned layer's output
    projection by least squares so that the kept heads reproduce the original layer's output, then
    (BERT-family encoders) that layer's feed-forward output projection, ridge-pulled toward its own weights,
@@ -29,7 +30,14 @@ Dimensions: B batch, L tokens, E hidden width, V vocabulary, N texts, P = N (N -
    files, and ``prune_report.json`` / ``prune_report.md`` (:mod:`.report`).
 """
 
-from .choose import check_prunable, choose_and_prune, choose_compensable, compensable_heads
+from .choose import (
+    FOLDS,
+    CrossValidated,
+    check_prunable,
+    choose_and_prune,
+    choose_compensable,
+    compensable_heads,
+)
 from .command import Job, Stages, options_from, prepare, run
 from .inputs import (
     DEFAULT_RECOVER,
@@ -67,6 +75,7 @@ from .refit import (
     LeastSquares,
     feed_forward_sums,
     output_fits,
+    output_folds,
     output_projection,
     refit,
     refit_feed_forward,
@@ -77,9 +86,11 @@ from .report import markdown
 __all__ = [
     "DEFAULT_RECOVER",
     "FEW_TEXTS",
+    "FOLDS",
     "MIN_TEXTS",
     "OBJECTIVES",
     "Batch",
+    "CrossValidated",
     "CausalLM",
     "Embedding",
     "Job",
@@ -108,6 +119,7 @@ __all__ = [
     "markdown",
     "options_from",
     "output_fits",
+    "output_folds",
     "output_projection",
     "pair_similarities",
     "parse_heads",

@@ -35,6 +35,7 @@ __all__ = [
     "Projection",
     "feed_forward_sums",
     "output_fits",
+    "output_folds",
     "output_projection",
     "refit",
     "refit_feed_forward",
@@ -81,9 +82,10 @@ class LeastSquares:
         self.y_squares += float((y * y).sum())
         self.rows += len(x)
 
-    def _solution(self, columns: Tensor, ridge: float, bias: bool) -> Tensor:
-        """The fit on input ``columns`` only (and the intercept when ``bias``): (k, O), the intercept last."""
-        d = len(self.gram) - 1
+    def solution(self, columns: Tensor, ridge: float = RIDGE, *, bias: bool = True) -> Tensor:
+        """The fit on input ``columns`` (a (k,) index tensor) only, and the intercept when ``bias``: (k (+1), O),
+        the intercept last; the ridge as in :meth:`solve` (relative to the mean diagonal over every column)."""
+        d = self.inputs
         idx = torch.cat([columns, torch.tensor([d])]) if bias else columns  # (k,)
         g = self.gram[idx][:, idx]  # (k, k)
         m = len(columns)
@@ -92,19 +94,43 @@ class LeastSquares:
 
     def solve(self, ridge: float = RIDGE, *, bias: bool = True) -> tuple[Tensor, Tensor | None]:
         """``(W (O, I), b (O,))``; with ``bias=False`` the fit has no intercept and ``b`` is None."""
-        d = len(self.gram) - 1
-        sol = self._solution(torch.arange(d), ridge, bias)  # (k, O)
+        d = self.inputs
+        sol = self.solution(torch.arange(d), ridge, bias=bias)  # (k, O)
         return sol[:d].T, (sol[d] if bias else None)
 
     def residual(self, columns: Tensor, ridge: float = RIDGE, *, bias: bool = True) -> float:
         """``sum ||W x_c + b - y||^2`` over the rows added, for the fit (:meth:`solve`'s, ridge included)
         that sees only the input ``columns`` (a (k,) index tensor): what the best linear map of those
         columns leaves unexplained of the outputs."""
-        d = len(self.gram) - 1
+        return self.error(self.solution(columns, ridge, bias=bias), columns, bias=bias)
+
+    def error(self, solution: Tensor, columns: Tensor, *, bias: bool = True) -> float:
+        """``sum ||W x_c + b - y||^2`` over the rows added, for a given ``solution`` (k, O) on input
+        ``columns`` (the intercept last when ``bias``), e.g. one fit on other rows (:class:`CrossValidated`)."""
+        d = self.inputs
         idx = torch.cat([columns, torch.tensor([d])]) if bias else columns  # (k,)
-        sol = self._solution(columns, ridge, bias)  # (k, O)
         g, c = self.gram[idx][:, idx], self.cross[idx]  # (k, k), (k, O)
-        return float(self.y_squares - 2 * (sol * c).sum() + (sol * (g @ sol)).sum())
+        return float(self.y_squares - 2 * (solution * c).sum() + (solution * (g @ solution)).sum())
+
+    @property
+    def inputs(self) -> int:
+        """I, the input width of the map."""
+        return len(self.gram) - 1
+
+    def __add__(self, other: LeastSquares) -> LeastSquares:
+        """The normal equations of both sets of rows."""
+        return self._combined(other, 1)
+
+    def __sub__(self, other: LeastSquares) -> LeastSquares:
+        """The normal equations of these rows without ``other``'s (``other`` added to these before)."""
+        return self._combined(other, -1)
+
+    def _combined(self, other: LeastSquares, sign: int) -> LeastSquares:
+        out = LeastSquares(self.inputs, self.cross.shape[1])
+        out.gram, out.cross = self.gram + sign * other.gram, self.cross + sign * other.cross
+        out.y_sum, out.y_squares = self.y_sum + sign * other.y_sum, self.y_squares + sign * other.y_squares
+        out.rows = self.rows + sign * other.rows
+        return out
 
     def spread(self) -> float:
         """``sum ||y - mean(y)||^2`` over the rows added: the outputs' energy about their mean."""
@@ -230,7 +256,7 @@ def _refit_in_order(
     """Run ``steps`` (in the order the model runs their layers) on the real tokens of ``batches``: one pass
     of the teacher records every target; then each step's fit sees the student's inputs as the steps
     before it left them (a pass stopped at the step's last layer per batch). Returns ``len(steps)``."""
-    current: dict[str, Tensor] = {}
+    current: dict[str, Any] = {}
     _run_hooked(teacher, batches, objective, current, [step.teacher_hook(current) for step in steps])
     for step in steps:
         fit: LeastSquares | None = None
@@ -364,15 +390,35 @@ def output_fits(
 ) -> dict[str, LeastSquares]:
     """The normal equations of each output projection's own map, input (n, I) -> output (n, O), over the
     real tokens of ``batches`` (one pass of ``model``): ``{module: LeastSquares}`` for ``modules`` (default:
-    every attention module). What :func:`multihead.commands.prune.choose.compensable_heads` chooses with."""
+    every attention module)."""
+    return {name: parts[0] for name, parts in output_folds(model, batches, objective, 1, modules).items()}
+
+
+def output_folds(
+    model: nn.Module,
+    batches: Sequence[Batch],
+    objective: Objective,
+    folds: int,
+    modules: Sequence[str] | None = None,
+) -> dict[str, list[LeastSquares]]:
+    """:func:`output_fits`, the texts dealt into ``folds`` folds in turn (text ``i`` of the pass, counted over
+    ``batches``, into fold ``i % folds``): ``{module: [LeastSquares of fold f]}``. What
+    :class:`~multihead.commands.prune.choose.CrossValidated` measures the refit's error on unseen texts with."""
     mods = attention_modules(model)
-    fits: dict[str, LeastSquares] = {}
-    current: dict[str, Tensor] = {}
+    fits: dict[str, list[LeastSquares]] = {}
+    current: dict[str, Any] = {}
 
     def adder(name: str) -> Callable[..., None]:
         def hook(layer: nn.Module, args: tuple, output: Tensor) -> None:
-            x, y = _rows(args[0].detach(), current["mask"]), _rows(output.detach(), current["mask"])
-            fits.setdefault(name, LeastSquares(x.shape[1], y.shape[1])).add(x, y)
+            x, y, mask = args[0].detach(), output.detach(), current["mask"]
+            if x.shape[:2] != mask.shape:  # no per-token mask fits: every row is real
+                mask = torch.ones(x.shape[:2], dtype=torch.bool)
+            fold = (current["first"] + torch.arange(len(mask))) % folds  # (B,) each text's fold
+            parts = fits.setdefault(name, [LeastSquares(x.shape[-1], y.shape[-1]) for _ in range(folds)])
+            for f, part in enumerate(parts):
+                rows = mask.bool() & (fold == f)[:, None]  # (B, L)
+                if rows.any():
+                    part.add(x[rows], y[rows])
 
         return hook
 
@@ -383,15 +429,17 @@ def output_fits(
 
 
 def _run_hooked(
-    model: nn.Module, batches: Sequence[Batch], objective: Objective, current: dict[str, Tensor], hooks: list
+    model: nn.Module, batches: Sequence[Batch], objective: Objective, current: dict[str, Any], hooks: list
 ) -> None:
     """One no-grad pass of ``model`` over ``batches`` with ``current["mask"]`` set to each batch's attention
     mask for the ``hooks`` to read; the hooks are removed afterwards, also on an error."""
     with torch.no_grad():
         try:
+            current["first"] = 0  # the index of the batch's first text in the pass
             for b in batches:
                 current["mask"] = b.inputs["attention_mask"]
                 objective.forward(model, b)
+                current["first"] += len(b.inputs["attention_mask"])
         finally:
             for h in hooks:
                 h.remove()

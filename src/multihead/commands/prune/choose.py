@@ -14,10 +14,10 @@ residual the least goes next, ``n`` times; no module is emptied.
 
 Why out of sample: measured on the texts it was fit on, the residual flatters the modules whose fit does
 not carry over. On all-MiniLM-L6-v2 the last layer's was the lowest of the six in sample (a quarter of its
-heads gone: 0.032 of its spread) and the highest out of sample (0.121; 4 folds), and that layer is the most costly to
-prune (removing three of its heads alone, then the refit: 1 - Spearman 0.010 on the external held-out
-package-docs sentences of ``benchmarks/bench_prune.py``, against 0.002-0.004 for any other layer). Chosen
-in sample, ``--heads 0.25`` removed four of its heads; out of sample, none.
+heads gone: 0.032 of its spread) and the highest out of sample (0.121, 4 folds), and that layer is the
+most costly to prune (removing three of its heads alone, then the refit: 1 - Spearman 0.010 on the
+external held-out package-docs sentences of ``benchmarks/bench_prune.py``, against 0.002-0.004 for any
+other layer). Chosen in sample, ``--heads 0.25`` removed four of its heads; out of sample, none.
 
 :func:`choose_and_prune`: Michel et al.'s importance of the objective's loss, in rounds, rescoring after
 each (kept for comparison and for callers that want the loss-driven choice).
@@ -64,17 +64,15 @@ class CrossValidated:
         if not self.parts:
             raise ValueError("CrossValidated needs at least one fold with rows")
         self.total = sum(self.parts[1:], self.parts[0])
-        self.rest = (
-            [self.total - part for part in self.parts] if len(self.parts) > 1 else []
-        )  # all but fold f
+        self.rest = [self.total - part for part in self.parts]  # rest[f]: the rows of every fold but f
 
     @property
     def inputs(self) -> int:
         return self.total.inputs
 
     def residual(self, columns: Tensor, ridge: float = RIDGE, *, bias: bool = True) -> float:
-        """``sum_f ||[x_f,c 1] A_(-f) - y_f||^2``: ``A_(-f)`` the fit on ``columns`` (:meth:`LeastSquares.solve`'s,
-        ridge included) of every fold but ``f``."""
+        """``sum_f ||[x_f,c 1] A_(-f) - y_f||^2``: ``A_(-f)`` the fit on ``columns`` of every fold but ``f``
+        (:meth:`LeastSquares.solve`'s, ridge included)."""
         if len(self.parts) == 1:
             return self.total.residual(columns, ridge, bias=bias)
         return sum(

@@ -83,8 +83,9 @@ class LeastSquares:
         self.rows += len(x)
 
     def solution(self, columns: Tensor, ridge: float = RIDGE, *, bias: bool = True) -> Tensor:
-        """The fit on input ``columns`` (a (k,) index tensor) only, and the intercept when ``bias``: (k (+1), O),
-        the intercept last; the ridge as in :meth:`solve` (relative to the mean diagonal over every column)."""
+        """The fit on input ``columns`` (a (k,) index tensor) only, and the intercept when ``bias``:
+        (k (+1), O), the intercept last; the ridge as in :meth:`solve` (relative to the mean diagonal over
+        every column)."""
         d = self.inputs
         idx = torch.cat([columns, torch.tensor([d])]) if bias else columns  # (k,)
         g = self.gram[idx][:, idx]  # (k, k)
@@ -106,7 +107,8 @@ class LeastSquares:
 
     def error(self, solution: Tensor, columns: Tensor, *, bias: bool = True) -> float:
         """``sum ||W x_c + b - y||^2`` over the rows added, for a given ``solution`` (k, O) on input
-        ``columns`` (the intercept last when ``bias``), e.g. one fit on other rows (:class:`CrossValidated`)."""
+        ``columns`` (the intercept last when ``bias``), e.g. one fit on other rows
+        (:class:`~multihead.commands.prune.choose.CrossValidated`)."""
         d = self.inputs
         idx = torch.cat([columns, torch.tensor([d])]) if bias else columns  # (k,)
         g, c = self.gram[idx][:, idx], self.cross[idx]  # (k, k), (k, O)
@@ -403,7 +405,8 @@ def output_folds(
 ) -> dict[str, list[LeastSquares]]:
     """:func:`output_fits`, the texts dealt into ``folds`` folds in turn (text ``i`` of the pass, counted over
     ``batches``, into fold ``i % folds``): ``{module: [LeastSquares of fold f]}``. What
-    :class:`~multihead.commands.prune.choose.CrossValidated` measures the refit's error on unseen texts with."""
+    :class:`~multihead.commands.prune.choose.CrossValidated` measures the refit's error on unseen texts
+    with."""
     mods = attention_modules(model)
     fits: dict[str, list[LeastSquares]] = {}
     current: dict[str, Any] = {}

@@ -67,8 +67,8 @@ def interleaved(
     Each round runs the steps in the next order of :func:`balanced_orders`, so that over a cycle of
     rounds every step runs right after every other equally often: what runs before a step changes its
     time (a large matmul leaves the caches cold: at B=64, L=5 the module always right after the yardstick
-    took 1.06-1.12x torch's time, 1.00x and 1.06x in balanced orders). A step that raises is dropped from the later rounds and reported in the errors
-    (the suite goes on).
+    took 1.06-1.12x torch's time, 1.00x and 1.06x in balanced orders). A step that raises is dropped from
+    the later rounds and reported in the errors (the suite goes on).
     """
     live = dict(steps)
     times: dict[str, list[float]] = {k: [] for k in steps}

@@ -130,8 +130,8 @@ def attend_in_phases(
                 route = Route(slots, kp, group, rank, k_edges)
                 kh, vh = heads_out(k, route, part), heads_out(v, route, part)  # (B, n, |keys|, D)
                 for cs in (exchanges[i] for i in run):
-                    route = Route(_heads(shares, cs), qp, group, rank, q_edges)
-                    _phase(q, state, (cs, shares, route), goes, j, attend, (kh, vh, keys))
+                    q_route = Route(_heads(shares, cs), qp, group, rank, q_edges)
+                    _phase(q, state, (cs, shares, q_route), goes, j, attend, (kh, vh, keys))
                 del kh, vh
         if sinks is not None:  # one more column of every row's softmax, once, on the row's rank
             add_sinks(state, sinks)

@@ -174,9 +174,15 @@ class _Stop(Exception):
     """Raised by a capture hook once it has what it needs: the rest of the forward pass is skipped."""
 
 
+def _real(t: Tensor, mask: Tensor) -> Tensor:
+    """(B, L) bool: which rows of ``t`` (B, L, C) are real tokens: ``mask`` (B, L) where it fits ``t``'s
+    shape, else every row."""
+    return mask.bool() if t.shape[:2] == mask.shape else torch.ones(t.shape[:2], dtype=torch.bool)
+
+
 def _rows(t: Tensor, mask: Tensor) -> Tensor:
-    """The real tokens' rows of ``t`` (B, L, C) -> (n, C), when ``mask`` (B, L) fits its shape."""
-    return t[mask.bool()] if t.shape[:2] == mask.shape else t.flatten(0, 1)
+    """The real tokens' rows of ``t`` (B, L, C) -> (n, C) (:func:`_real`)."""
+    return t[_real(t, mask)]
 
 
 class _Step:
@@ -413,13 +419,12 @@ def output_folds(
 
     def adder(name: str) -> Callable[..., None]:
         def hook(layer: nn.Module, args: tuple, output: Tensor) -> None:
-            x, y, mask = args[0].detach(), output.detach(), current["mask"]
-            if x.shape[:2] != mask.shape:  # no per-token mask fits: every row is real
-                mask = torch.ones(x.shape[:2], dtype=torch.bool)
-            fold = (current["first"] + torch.arange(len(mask))) % folds  # (B,) each text's fold
+            x, y = args[0].detach(), output.detach()
+            real = _real(x, current["mask"])  # (B, L)
+            fold = (current["first"] + torch.arange(len(real))) % folds  # (B,) each text's fold
             parts = fits.setdefault(name, [LeastSquares(x.shape[-1], y.shape[-1]) for _ in range(folds)])
             for f, part in enumerate(parts):
-                rows = mask.bool() & (fold == f)[:, None]  # (B, L)
+                rows = real & (fold == f)[:, None]  # (B, L)
                 if rows.any():
                     part.add(x[rows], y[rows])
 

@@ -6,6 +6,7 @@ Dimensions: B batch, L (cached) length, Lq/Lk query/key lengths, E embed dim, H 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -344,3 +345,30 @@ def test_interleaved_rounds_balance_the_order_and_drop_a_failing_step():
     rounds = [calls[i : i + 4] for i in range(0, 16, 4)]
     pairs = {(r[j], r[j + 1]) for r in rounds for j in range(3)}
     assert len(pairs) == 12  # 4 rounds of 4 steps: all 12 ordered pairs, each once
+
+
+def test_chart_of_many_cases_puts_each_contender_relative_to_the_subject_on_one_row_per_case():
+    """Past BARS_UP_TO cases the left panel is one row per case: each contender's point sits at its median
+    per-round time ratio to the subject, the subject on 1."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from multihead.bench import report as rep
+
+    base = load(Path(__file__).parent.parent / "benchmarks" / "results" / "cuda_h100.json")
+    cases = [r for r in base.cases if r.case.level != "decode"]
+    assert len(cases) > rep.BARS_UP_TO
+    labels = ["multihead", "flex"]
+    fig, ax = plt.subplots()
+    rep._relative_rows(ax, cases, labels)
+    assert [t.get_text() for t in ax.get_yticklabels()] == [r.case.name for r in cases]
+    for lab, points in zip(labels, ax.collections, strict=True):
+        expected = [
+            (r.results[lab].time_vs_subject.median, i) for i, r in enumerate(cases) if lab in r.results
+        ]
+        assert points.get_offsets().tolist() == [list(p) for p in expected]
+    assert all(x == 1.0 for x, _ in ax.collections[0].get_offsets().tolist())  # the subject itself
+    plt.close(fig)

@@ -161,8 +161,51 @@ def _decode_points(report: Report) -> list[tuple[int, dict[str, tuple[float, flo
     return points
 
 
+#: Above this many timed cases the left panel shows times relative to the subject, one row per case: a bar
+#: per contender of every case no longer fits a readable width.
+BARS_UP_TO = 12
+
+
+def _rate_bars(ax: object, cases: list[CaseRecord], labels: list[str]) -> None:
+    """GFLOP/s per contender, one group of bars per case, with the matmul yardstick as a line."""
+    width = 0.8 / max(1, len(labels))
+    for j, lab in enumerate(labels):
+        ys = [r.results[lab].gflops or 0.0 if lab in r.results else 0.0 for r in cases]
+        ax.bar([i + j * width for i in range(len(cases))], ys, width, label=lab)  # type: ignore[attr-defined]
+    rates = [r.matmul_gflops.median for r in cases if r.matmul_gflops]
+    if rates:
+        ax.axhline(statistics.median(rates), color="k", ls="--", lw=1, label="matmul yardstick")  # type: ignore[attr-defined]
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))])  # type: ignore[attr-defined]
+    ax.set_xticklabels([r.case.name.replace(" ", "\n", 2) for r in cases], fontsize=7)  # type: ignore[attr-defined]
+    ax.set_ylabel("GFLOP/s (higher is better)")  # type: ignore[attr-defined]
+
+
+def _relative_rows(ax: object, cases: list[CaseRecord], labels: list[str]) -> None:
+    """Each contender's time / the subject's (median of the per-round ratios), one row per case, log scale."""
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    markers, colors = "o^sDv<>PX*h", plt.get_cmap("tab20").colors  # type: ignore[attr-defined]
+    for j, lab in enumerate(labels):
+        pts = [
+            (r.results[lab].time_vs_subject.median, i)  # type: ignore[union-attr]
+            for i, r in enumerate(cases)
+            if lab in r.results and r.results[lab].ok and r.results[lab].time_vs_subject
+        ]
+        if pts:
+            xs, ys = zip(*pts, strict=True)
+            style = {"marker": markers[j % len(markers)], "color": colors[2 * j % 20 + j // 10 % 2]}
+            ax.scatter(xs, ys, s=18, label=lab, **style)  # type: ignore[attr-defined]
+    ax.axvline(1.0, color="k", lw=1)  # type: ignore[attr-defined]
+    ax.set_xscale("log")  # type: ignore[attr-defined]
+    ax.set_yticks(range(len(cases)), [r.case.name for r in cases], fontsize=7)  # type: ignore[attr-defined]
+    ax.invert_yaxis()  # type: ignore[attr-defined]
+    ax.grid(axis="x", which="both", lw=0.3)  # type: ignore[attr-defined]
+    ax.set_xlabel("time / the subject's (median of per-round ratios; < 1: faster than the subject)")  # type: ignore[attr-defined]
+
+
 def chart(report: Report, path: Path) -> None:
-    """Left: every timed case's GFLOP/s per contender. Right: decode step time vs cached length."""
+    """Left: every timed case's GFLOP/s per contender (or, past :data:`BARS_UP_TO` cases, each contender's
+    time relative to the subject, a row per case). Right: decode step time vs cached length."""
     import matplotlib  # noqa: PLC0415  (optional, only for the chart)
 
     matplotlib.use("Agg")
@@ -170,24 +213,17 @@ def chart(report: Report, path: Path) -> None:
 
     cases = [r for r in report.cases if not r.case.memory_only and r.case.level != "decode"]
     decode = _decode_points(report)
-    fig, axes = plt.subplots(1, 2 if decode else 1, figsize=(15 if decode else 10, 5), squeeze=False,
+    rows = len(cases) > BARS_UP_TO
+    height = max(5.0, 0.2 * len(cases) + 1.5) if rows else 5.0
+    fig, axes = plt.subplots(1, 2 if decode else 1, figsize=(15 if decode else 10, height), squeeze=False,
                              gridspec_kw={"width_ratios": [2.2, 1] if decode else [1]})  # fmt: skip
     ax = axes[0][0]
     labels = sorted(
         {lab for r in cases for lab in r.results}, key=lambda s: (not s.startswith("multihead"), s)
     )
-    width = 0.8 / max(1, len(labels))
-    for j, lab in enumerate(labels):
-        ys = [r.results[lab].gflops or 0.0 if lab in r.results else 0.0 for r in cases]
-        ax.bar([i + j * width for i in range(len(cases))], ys, width, label=lab)
-    rates = [r.matmul_gflops.median for r in cases if r.matmul_gflops]
-    if rates:
-        ax.axhline(statistics.median(rates), color="k", ls="--", lw=1, label="matmul yardstick")
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))])
-    ax.set_xticklabels([r.case.name.replace(" ", "\n", 2) for r in cases], fontsize=7)
-    ax.set_ylabel("GFLOP/s (higher is better)")
+    (_relative_rows if rows else _rate_bars)(ax, cases, labels)
     ax.set_title(f"attention on {report.device} ({report.threads} threads, torch {report.torch})", fontsize=9)
-    if labels or rates:
+    if labels or not rows:
         ax.legend(fontsize=7, ncol=2)
     if decode:
         ax = axes[0][1]

@@ -330,6 +330,32 @@ def test_flex_builds_packed_documents_block_mask_from_the_ids(monkeypatch):
     assert built == []
 
 
+@pytest.mark.filterwarnings("ignore")
+def test_flex_makes_the_mask_functions_only_when_it_builds_a_block_mask(monkeypatch):
+    """Calls that reuse a BlockMask (same segment ids, every layer of a step) run nothing to make its mask
+    functions again: the padding rewrite of the ids ran on every call before (small kernels and a copy per
+    call on a GPU). New ids (or the same ids changed in place) make them again, with their meaning."""
+    from multihead.core.backends import flex as flex_backend
+
+    made = []
+    real = flex_backend.segments_fn
+    monkeypatch.setattr(flex_backend, "segments_fn", lambda *a: made.append(a) or real(*a))
+    gen = torch.Generator().manual_seed(8)
+    n = 200
+    q, k, v = (torch.randn(2, 2, n, 16, generator=gen) for _ in range(3))
+    ids = torch.stack([_packed(n, s, gen, True) for s in range(2)])
+    backend = flex_backend.FlexBackend(compiled=False)
+    with torch.no_grad():
+        for _ in range(3):
+            got, _ = backend(prepare(q, k, v, segment_ids=ids, causal=True))
+        assert len(made) == 1
+        ids[:, :50] = -1  # in place: a new version
+        again, _ = backend(prepare(q, k, v, segment_ids=ids, causal=True))
+        assert len(made) == 2
+    want = mh.attention_reference(q.double(), k.double(), v.double(), segment_ids=ids, causal=True)
+    torch.testing.assert_close(again.double(), want, atol=2e-6, rtol=2e-5)
+
+
 def test_a_block_mask_is_converted_once_per_call_shape():
     """Every layer of every call passes the same BlockMask: it is read (host copies, a probe) once."""
     from multihead.core.masks.blocks import _FROM_FLEX, from_flex

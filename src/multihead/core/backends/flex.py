@@ -135,22 +135,16 @@ class FlexBackend:
         assert flex is not None
         q, k, v, m = call.q, call.k, call.v, call.masks
         b, h, lq, lk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
-        parts: list[MaskFn] = []
         per_b = per_h = m.mask_fn is not None  # a user function may read b and h
         if m.mask is not None:
-            parts.append(tensor_fn(m.mask))
             per_b, per_h = per_b or m.mask.shape[0] > 1, per_h or m.mask.shape[1] > 1
-        if m.mask_fn is not None:
-            parts.append(m.mask_fn)
-        if m.segments is not None:
-            parts.append(segments_fn(*m.segments))
-            per_b = True
-        if m.causal:  # dense mode: Lq == Lk; function mode: any lengths; bottom-right either way
-            parts.append(causal_fn(lq, lk))
-        block_mask = _as_given(m.mask_fn, parts, b, h, lq, lk)  # the user's own BlockMask, where it serves
-        if parts and block_mask is None:
+        per_b = per_b or m.segments is not None
+        masked = m.mask is not None or m.mask_fn is not None or m.segments is not None or m.causal
+        alone = m.mask_fn is not None and m.mask is None and m.segments is None and not m.causal
+        block_mask = _as_given(m.mask_fn, b, h, lq, lk) if alone else None  # the user's own BlockMask
+        if masked and block_mask is None:
             rows = (b if per_b else None, h if per_h else None, lq, lk)
-            block_mask = _built_block_mask(flex, m, parts, rows, q.device)
+            block_mask = _built_block_mask(flex, m, rows, q.device)
         score_mod = _score_mod(call.softcap, m.bias, m.bias_fn)
         kwargs = {
             "query": q,  # (B, H, Lq, Dk)
@@ -188,20 +182,35 @@ class FlexBackend:
 _BUILT = Recent(16)
 
 
-def _built_block_mask(
-    flex: object, m: Normalized, parts: list[MaskFn], rows: tuple, device: torch.device
-) -> object:
-    """``create_block_mask`` of the AND of ``parts`` for ``rows`` (B|None, H|None, Lq, Lk), reused while
-    its sources (the mask function and the tensors it captures, the segment ids, the dense mask: by
-    identity and version) and the call's rows are the same; built every call under tracing, and when a
-    dense mask tensor is part of it (normalisation makes a new one per call, and the cache would keep
-    tensors of (Lq, Lk) alive)."""
-    both = and_masks(*parts)
+def _mask_parts(m: Normalized, lq: int, lk: int) -> list[MaskFn]:
+    """The mask functions whose AND is the call's mask: the dense mask read by index, the user's function,
+    the segment-id rule and bottom-right causality (those the call has)."""
+    parts: list[MaskFn] = []
+    if m.mask is not None:
+        parts.append(tensor_fn(m.mask))
+    if m.mask_fn is not None:
+        parts.append(m.mask_fn)
+    if m.segments is not None:
+        parts.append(segments_fn(*m.segments))
+    if m.causal:  # dense mode: Lq == Lk; function mode: any lengths; bottom-right either way
+        parts.append(causal_fn(lq, lk))
+    return parts
 
-    def mask_mod(bi: Tensor, hi: Tensor, i: Tensor, j: Tensor) -> Tensor:
-        return both(bi, hi, i, j)
+
+def _built_block_mask(flex: object, m: Normalized, rows: tuple, device: torch.device) -> object:
+    """``create_block_mask`` of the call's mask (:func:`_mask_parts`) for ``rows`` (B|None, H|None, Lq,
+    Lk), reused while its sources (the mask function and the tensors it captures, the segment ids, the dense
+    mask: by identity and version) and the call's rows are the same; built every call under tracing, and
+    when a dense mask tensor is part of it (normalisation makes a new one per call, and the cache would
+    keep tensors of (Lq, Lk) alive). The mask functions are made only when the BlockMask is built: its
+    ``mask_mod`` is what flex_attention evaluates (a reused one still holds the first call's functions)."""
 
     def build() -> object:
+        both = and_masks(*_mask_parts(m, rows[2], rows[3]))
+
+        def mask_mod(bi: Tensor, hi: Tensor, i: Tensor, j: Tensor) -> Tensor:
+            return both(bi, hi, i, j)
+
         if m.segments is not None and m.mask is None and m.mask_fn is None:
             return _segments_block_mask(flex, m.segments, m.causal, mask_mod)
         return flex.create_block_mask(mask_mod, *rows, device=device)  # type: ignore[attr-defined]
@@ -246,12 +255,12 @@ def _segments_block_mask(
     )
 
 
-def _as_given(mask_fn: object, parts: list[MaskFn], b: int, h: int, lq: int, lk: int) -> object | None:
-    """The FlexAttention ``BlockMask`` the user passed as ``mask=``, when it is the call's whole mask and
-    fits it ((B|1, H|1) rows, (Lq, Lk) lengths): flex_attention takes it as it is, without building
-    another from its function."""
+def _as_given(mask_fn: object, b: int, h: int, lq: int, lk: int) -> object | None:
+    """The FlexAttention ``BlockMask`` the user passed as ``mask=``, when it fits the call ((B|1, H|1) rows,
+    (Lq, Lk) lengths; the caller checks it is the call's whole mask): flex_attention takes it as it is,
+    without building another from its function."""
     source = getattr(mask_fn, "source", None)
-    if source is None or parts != [mask_fn]:
+    if source is None:
         return None
     mb, mh = source.kv_num_blocks.shape[:2]  # type: ignore[attr-defined]
     fits = tuple(int(n) for n in source.seq_lengths) == (lq, lk)  # type: ignore[attr-defined]

@@ -19,7 +19,11 @@ export PYTHONPATH=/tmp/site:$PWD/src:$PWD/benchmarks
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 opts="-p pytest_failure_log"  # xdist and pytest-timeout where the image has them (KINDS.md lists both)
-python3 -c "import xdist" 2>/dev/null && opts="$opts -n 14"
+# one test process per 8 GiB of GPU memory, at most 14: 14 on the H100's 80 GB ran three compiled-flex
+# float32 grid tests out of memory ("CUDA driver error: out of memory" at kernel launch)
+mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+workers=$(( ${mem_mib:-81920} / 8192 )); [ "$workers" -gt 14 ] && workers=14; [ "$workers" -lt 1 ] && workers=1
+python3 -c "import xdist" 2>/dev/null && opts="$opts -n $workers"
 python3 -c "import pytest_timeout" 2>/dev/null && opts="$opts --timeout 150"
 export FAILURE_LOG="$OUT/failures.log"
 tests() {  # -v: a killed run still shows what passed

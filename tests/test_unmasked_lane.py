@@ -14,6 +14,8 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import multihead as mh
@@ -123,6 +125,47 @@ def test_many_short_rows_run_as_two_matmuls_and_match(lane, dtype, b, h, hkv, lq
         torch.testing.assert_close(a.grad, w.grad, **tol)
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    st.integers(1, 8),  # B
+    st.sampled_from([(8, 8), (8, 2), (16, 1), (12, 4)]),  # (H, Hkv)
+    st.integers(2, 12),  # Lq
+    st.integers(1, 32),  # Lk
+    st.booleans(),  # causal (only where Lq == Lk)
+    st.booleans(),  # strided heads, as the module's fused projection gives them
+    st.integers(0, 2**31 - 1),
+)
+def test_short_rows_equal_the_reference_for_any_shape_they_serve(b, heads, lq, lk, causal, strided, seed):
+    """Any call math.short_attention serves (B*H >= 64, 1..32 keys, Lq >= 2; causal with Lq == Lk; grouped
+    heads; contiguous or strided inputs), forward and backward, against the float64 reference."""
+    h, hkv = heads
+    causal = causal and lq == lk
+    if b * h < math_backend.MANY_HEADS:
+        b = -(-math_backend.MANY_HEADS // h)
+    g = torch.Generator().manual_seed(seed)
+    if strided:  # (B, L, heads*D) buffers split into heads: (B, heads, L, D) views with gaps
+        q = torch.randn(b, lq, 2 * h * 8, generator=g, dtype=torch.float64)[..., : h * 8]
+        kv = torch.randn(b, lk, 3 * hkv * 8, generator=g, dtype=torch.float64)
+        q = q.view(b, lq, h, 8).transpose(1, 2)
+        k, v = (kv[..., i * hkv * 8 : (i + 1) * hkv * 8].view(b, lk, hkv, 8).transpose(1, 2) for i in (0, 1))
+    else:
+        q, k, v = _qkv(b, h, hkv, lq, lk, d=8, dtype=torch.float64, seed=seed)
+    assert math_backend.serves_short(q, k, causal)
+    ins = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    ref_ins = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    got = math_backend.short_attention(*ins, causal, 0.35)
+    want = mh.attention_reference(*ref_ins, causal=causal, scale=0.35)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    grad = torch.randn(got.shape, generator=g, dtype=torch.float64)
+    got.backward(grad)
+    want.backward(grad)
+    for a, w in zip(ins, ref_ins, strict=True):
+        torch.testing.assert_close(a.grad, w.grad, rtol=1e-10, atol=1e-12)
+    with torch.no_grad():  # the in-place path
+        again = math_backend.short_attention(q, k, v, causal, 0.35)
+    torch.testing.assert_close(again, want.detach(), rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize(
     ("shape", "causal", "dtype"),
     [
@@ -184,9 +227,10 @@ def test_everything_else_goes_the_whole_way(lane, kwargs):
             "H=3",
         ),
         (lambda: (torch.randn(1, 2, 3, 4), torch.randn(1, 2, 0, 4), torch.randn(1, 2, 0, 4)), None, None),
+        (lambda: (torch.randn(64, 8, 5, 4), torch.randn(64, 8, 0, 4), torch.randn(64, 8, 0, 4)), None, None),
         (lambda: ([[1.0]], torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)), TypeError, "torch.Tensor"),
     ],
-    ids=["3-D", "dtypes", "heads", "no keys", "a list"],
+    ids=["3-D", "dtypes", "heads", "no keys", "no keys, many short rows", "a list"],
 )
 def test_bad_or_unusual_input_gets_the_whole_ways_answer(lane, make, error, words):
     q, k, v = make()

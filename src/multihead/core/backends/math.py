@@ -162,14 +162,14 @@ MANY_HEADS = 64  # ... and B*H at and above which short_attention beats the CPU'
 
 def serves_short(q: Tensor, k: Tensor, is_causal: bool) -> bool:
     """Whether :func:`short_attention` is the faster way to run q (B, H, Lq, D) against k (B, Hkv, Lk, D) on
-    the CPU: many short rows (Lk <= :data:`SHORT_KEYS`, B*H >= :data:`MANY_HEADS`, Lq >= 2), where the
+    the CPU: many short rows (1 <= Lk <= :data:`SHORT_KEYS`, B*H >= :data:`MANY_HEADS`, Lq >= 2), where the
     fused kernel's per-head set-up costs more than the whole product (B=64, H=8, L=5: 0.26x its forward
     time, 0.37x forward+backward; it wins from about 128 keys on, and at Lq = 1)."""
     b, h, lq, _ = q.shape
     lk = k.shape[2]
     return (  # the shape first: a decode step (Lq = 1) and long rows leave at the first test
         2 <= lq
-        and lk <= SHORT_KEYS
+        and 1 <= lk <= SHORT_KEYS  # no keys: the fused kernel's zeros (every row dead)
         and b * h >= MANY_HEADS
         and (lq == lk or not is_causal)
         and q.dtype in (torch.float32, torch.float64)

@@ -223,7 +223,7 @@ def chart(report: Report, path: Path) -> None:
     )
     (_relative_rows if rows else _rate_bars)(ax, cases, labels)
     ax.set_title(f"attention on {report.device} ({report.threads} threads, torch {report.torch})", fontsize=9)
-    if labels or not rows:
+    if ax.get_legend_handles_labels()[0]:  # anything drawn with a label
         ax.legend(fontsize=7, ncol=2)
     if decode:
         ax = axes[0][1]

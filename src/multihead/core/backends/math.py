@@ -191,8 +191,8 @@ def short_attention(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: flo
     qg = group_queries(q, hkv).reshape(b * hkv, (h // hkv) * lq, dk)  # (B*Hkv, G*Lq, Dk)
     s = torch.bmm(qg, k.reshape(b * hkv, lk, dk).transpose(1, 2)).mul_(scale)  # (B*Hkv, G*Lq, Lk)
     if is_causal:  # Lq == Lk: the same (Lq, Lk) triangle for each of the G query groups
-        above = causal(lq, lk, device=q.device).logical_not_().repeat(h // hkv, 1)  # (G*Lq, Lk)
-        s = s.masked_fill_(above, float("-inf"))
+        keep = group_mask(causal(lq, lk, device=q.device).view(1, 1, lq, lk), h, hkv, lq)  # (1, 1, G*Lq, Lk)
+        s = s.masked_fill_(~keep.reshape(-1, lk), float("-inf"))  # (G*Lq, Lk) over (B*Hkv, G*Lq, Lk)
     s = s.sub_(s.detach().amax(-1, keepdim=True))  # a constant shift per row: no gradient flows through it
     if torch.is_grad_enabled() and s.requires_grad:
         e = s.exp()

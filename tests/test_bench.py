@@ -372,3 +372,29 @@ def test_chart_of_many_cases_puts_each_contender_relative_to_the_subject_on_one_
         assert points.get_offsets().tolist() == [list(p) for p in expected]
     assert all(x == 1.0 for x, _ in ax.collections[0].get_offsets().tolist())  # the subject itself
     plt.close(fig)
+
+
+def _bench_module(name: str):
+    """A script of ``benchmarks/`` imported as a module (the folder and its ``data/`` on the path)."""
+    import importlib
+    import sys
+
+    root = Path(__file__).resolve().parent.parent / "benchmarks"
+    for folder in (root, root / "data"):
+        if str(folder) not in sys.path:
+            sys.path.insert(0, str(folder))
+    return importlib.import_module(name)
+
+
+def test_prune_curve_report_is_its_json_and_counts_doublings():
+    pytest.importorskip("transformers")
+    curve = _bench_module("bench_prune_curve")
+    committed = Path(curve.RESULTS)
+    res = json.loads((committed / "prune_curve.json").read_text())
+    assert (committed / "prune_curve.md").read_text() == curve.markdown(res)  # the table is its JSON
+    stage = [{"stage": s, "held_out": 0.9, "validation": 0.9, "kept": True} for s in curve.STAGES]
+    two = dict(res, records=[
+        {"heads": "0.5", "lines": 100, "stages": stage, "external": 0.90, "command_seconds": 1.0},
+        {"heads": "0.5", "lines": 400, "stages": stage, "external": 0.92, "command_seconds": 2.0},
+    ])  # fmt: skip
+    assert "--heads 0.5: +0.0100 per doubling of the lines (100 -> 400)" in curve.markdown(two)

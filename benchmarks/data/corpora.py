@@ -7,7 +7,9 @@ development environment of this project has:
   ``base-files``; GPL, LGPL, Apache, MPL, GFDL, Artistic, BSD, CC0), files in name order, each text once;
 * ``package-docs``: the long descriptions (``METADATA`` bodies: README files in markdown or reStructuredText)
   of the packages ``requirements-dev.txt`` pins, read with :mod:`importlib.metadata`, in the file's order;
-* ``generated``: ``benchmarks/data/sentences.txt``, the project's own generated sentences (the third column).
+* ``generated``: ``benchmarks/data/sentences.txt``, the project's own generated sentences (the third column);
+* ``all-package-docs`` (:data:`LARGER`, for ``benchmarks/bench_prune_curve.py`` only): the long descriptions of
+  every distribution installed in the environment (the pinned ones and all they pull in), in name order.
 
 The rule (:func:`sentences`): drop code and markup lines (fenced and indented blocks, ``>>>`` prompts,
 reStructuredText directives, tables, headings, HTML), join the rest into paragraphs, strip inline markup
@@ -124,12 +126,29 @@ def package_texts() -> list[str]:
     return out
 
 
+def installed_package_texts() -> list[str]:
+    """The long descriptions of every distribution installed in this environment, in name order, each once."""
+    dists = {d.metadata["Name"].lower(): d for d in importlib.metadata.distributions() if d.metadata["Name"]}
+    out = []
+    for name in sorted(dists):
+        if name in SKIP_PACKAGES:
+            continue
+        meta = dists[name].metadata
+        out.append(str(meta.get_payload() or meta.get("Description") or ""))  # type: ignore[attr-defined]
+    return out
+
+
 CORPORA: dict[str, Callable[[], list[str]]] = {
     "licences": lambda: sentences(licence_texts()),
     "package-docs": lambda: sentences(package_texts()),
     "generated": lambda: [t.strip() for t in GENERATED.read_text().splitlines() if t.strip()],
 }
 """Corpus name -> its lines (one sentence each)."""
+
+LARGER: dict[str, Callable[[], list[str]]] = {
+    "all-package-docs": lambda: sentences(installed_package_texts()),
+}
+"""A corpus large enough for a learning curve (about 1,300 sentences in the dev environment)."""
 
 
 def split(lines: list[str], every: int = 4) -> tuple[list[str], list[str]]:

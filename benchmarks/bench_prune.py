@@ -59,7 +59,7 @@ TARGETS = {"0.25": 0.99, "0.5": 0.97}  # external held-out Spearman of the saved
 SPEEDUP_TARGET = 1.15  # at --heads 0.5, 32 texts x 128 tokens
 SECONDS_TARGET = 180.0
 REAL = ("licences", "package-docs")
-STAGES = ("pruned", "refit", "recovered")
+STAGES = ("pruned", "refit", "reconstructed", "recovered")
 
 
 def long_inputs(tokenizer: T.PreTrainedTokenizerBase, texts: list[str], batch: int = 32, length: int = 128):
@@ -154,7 +154,7 @@ def _group(records: list[dict]) -> dict[tuple[str, str], list[dict]]:
 
 def markdown(res: dict) -> str:
     """The results as markdown: the per-corpus table, stage by stage, and the speed."""
-    rows = [["corpus", "--heads", "lines (cal. / ext.)", "pruned", "+ refit", "+ recovery", "saved, external held-out (target)",
+    rows = [["corpus", "--heads", "lines (cal. / ext.)", "pruned", "+ refit", "+ reconstruction", "+ recovery", "saved, external held-out (target)",
              "recovery steps run / kept (learning rates tried)", "command time"]]  # fmt: skip
     for (corpus, frac), rs in _group(res["records"]).items():
         stage = {s: [next(x for x in r["stages"] if x["stage"] == s)["held_out"] for r in rs] for s in STAGES}
@@ -167,6 +167,7 @@ def markdown(res: dict) -> str:
             corpus, frac, f"{rs[0]['lines_calibration']} / {rs[0]['lines_external']}",
             _spread(stage["pruned"]),
             f"{_spread(stage['refit'])} (kept {kept['refit']}/{len(rs)})",
+            f"{_spread(stage['reconstructed'])} (kept {kept['reconstructed']}/{len(rs)})",
             f"{_spread(stage['recovered'])} (kept {kept['recovered']}/{len(rs)})",
             f"**{_spread(ext)}** (>= {TARGETS[frac]}: {verdict})",
             ", ".join(f"{r['recovery']['steps_run']}/{r['recovery']['kept_step']} "
@@ -205,8 +206,11 @@ def markdown(res: dict) -> str:
         "that layer's feed-forward output projection refit so that its residual sum matches the original's "
         "(ridge 0.3 toward its own weights), on the calibration lines plus two random crops of each "
         "(`prune.refit_layers`, `prune.crops`); "
+        "*+ reconstruction*: layer by layer, each pruned layer's attention parameters trained (AdamW, 3e-4, at "
+        "most 300 steps, early-stopped on the validation texts) so that the layer, on the pruned model's own "
+        "input, gives the original layer's output (`prune.reconstruct_layers`); "
         "*+ recovery*: distillation toward the original, early-stopped on the validation split, at learning "
-        "rate 5e-5, or, when no check of that improved the validation split, again from the refit weights "
+        "rate 5e-5, or, when no check of that improved the validation split, again from the weights it started from "
         "at 1e-5 (`prune.RECOVERY_LRS`); when fewer than half the heads go, at 1e-5 alone "
         "(`prune.recovery_lrs`).",
         "",
@@ -248,7 +252,7 @@ def plot(res: dict, path: Path) -> None:
     groups = list(_group(res["records"]).items())
     fig = viz.new_figure(figsize=(9, 3.4), layout="constrained")
     ax = fig.subplots()
-    width = 0.2
+    width = 0.16
     for i, label in enumerate((*STAGES, "external")):
         ys, lo, hi = [], [], []
         for _, rs in groups:
@@ -259,7 +263,7 @@ def plot(res: dict, path: Path) -> None:
                 max(0.0, ys[-1] - min(vals))
             )  # max(0, ...): the mean of equal values may round past them
             hi.append(max(0.0, max(vals) - ys[-1]))
-        xs = [g + (i - 1.5) * width for g in range(len(groups))]
+        xs = [g + (i - 2) * width for g in range(len(groups))]
         ax.bar(xs, ys, width, label=label, yerr=[lo, hi], capsize=2)
     for g, ((corpus, frac), _) in enumerate(groups):
         if corpus in REAL:

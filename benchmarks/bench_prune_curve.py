@@ -37,10 +37,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE / "data"))
 import corpora  # noqa: E402  (benchmarks/data/corpora.py)
-from bench_prune import STAGES, TARGETS, external_quality  # noqa: E402
+from bench_prune import TARGETS, external_quality  # noqa: E402
 
 RESULTS = HERE / "results"
 CORPUS = "all-package-docs"
+LABELS = {"refit": "+ refit", "reconstructed": "+ reconstruction", "recovered": "+ recovery"}
 HALVINGS = 4  # the points: all the calibration lines, half of them, a quarter, an eighth
 
 
@@ -63,13 +64,14 @@ def run_one(calibration: list[str], held: list[str], frac: str, n: int) -> dict:
 
 
 def markdown(res: dict) -> str:
-    rows = [["--heads", "calibration lines", "pruned", "+ refit", "+ recovery", "saved, external held-out",
-             "command time"]]  # fmt: skip
+    stages = [s["stage"] for s in res["records"][0]["stages"]]  # the stages of the pipeline that ran
+    rows = [["--heads", "calibration lines", *(LABELS.get(s, s) for s in stages),
+             "saved, external held-out", "command time"]]  # fmt: skip
     for r in res["records"]:
         stage = {s["stage"]: s for s in r["stages"]}
         rows.append([
             r["heads"], str(r["lines"]),
-            *(f"{stage[s]['held_out']:.4f}" + ("" if stage[s]["kept"] else " (not kept)") for s in STAGES),
+            *(f"{stage[s]['held_out']:.4f}" + ("" if stage[s]["kept"] else " (not kept)") for s in stages),
             f"**{r['external']:.4f}** (target {TARGETS[r['heads']]})", f"{r['command_seconds']:.0f} s",
         ])  # fmt: skip
     slopes = []

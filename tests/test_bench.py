@@ -392,7 +392,10 @@ def test_prune_curve_report_is_its_json_and_counts_doublings():
     committed = Path(curve.RESULTS)
     res = json.loads((committed / "prune_curve.json").read_text())
     assert (committed / "prune_curve.md").read_text() == curve.markdown(res)  # the table is its JSON
-    stage = [{"stage": s, "held_out": 0.9, "validation": 0.9, "kept": True} for s in curve.STAGES]
+    stage = [
+        {"stage": s, "held_out": 0.9, "validation": 0.9, "kept": True}
+        for s in ("pruned", "refit", "reconstructed", "recovered")
+    ]
     two = dict(res, records=[
         {"heads": "0.5", "lines": 100, "stages": stage, "external": 0.90, "command_seconds": 1.0},
         {"heads": "0.5", "lines": 400, "stages": stage, "external": 0.92, "command_seconds": 2.0},

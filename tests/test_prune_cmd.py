@@ -355,7 +355,9 @@ def test_minilm_end_to_end(minilm_pruned):
     assert saved["objective"] == "contrastive" and saved["recovery"]["steps"] == 5
     assert saved["params_after"] < saved["params_before"]
     stages = saved["quality"]["stages"]
-    assert [s["stage"] for s in stages] == ["pruned", "refit", "recovered"] and stages[0]["kept"]
+    assert [s["stage"] for s in stages] == ["pruned", "refit", "reconstructed", "recovered"] and stages[0][
+        "kept"
+    ]
     assert all(-1 <= s[k] <= 1 for s in stages for k in ("held_out", "validation"))
     assert saved["quality"]["final"] == next(s for s in reversed(stages) if s["kept"])["held_out"]
     assert saved["texts"] == {"train": 12, "validation": 4, "held_out": 8, "total": 24}
@@ -552,7 +554,10 @@ def test_fifty_lines_work_and_warn(tmp_path, folders, capsys):
                      "--out", str(out)])  # fmt: skip
     printed = capsys.readouterr().out
     assert code == 0 and (out / "model.safetensors").is_file()
-    assert "50 texts: 35 to choose heads, refit and recover on, 5 to validate, 10 held out" in printed
+    assert (
+        "50 texts: 35 to choose heads, refit, reconstruct and recover on, 5 to validate, 10 held out"
+        in printed
+    )
     assert "warning: only 50 texts" in printed and "may not carry over" in printed
     report = json.loads((out / "prune_report.json").read_text())
     assert report["texts"]["total"] == 50 and "only 50 texts" in report["warning"]

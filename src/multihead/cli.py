@@ -170,7 +170,8 @@ def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser
         help="prune the heads of a Hugging Face checkpoint folder",
         description="Remove the heads whose output the rest of their layer can best make up for (measured "
         "on your text), refit each pruned layer's output projection (and, in BERT-family encoders, each "
-        "layer's feed-forward output projection) by least squares, recover by distilling "
+        "layer's feed-forward output projection) by least squares, train each pruned layer to give the "
+        "original layer's output, recover by distilling "
         "toward the original, and save a folder that loads back (see docs/heads.md).",
         epilog=PRUNE_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,

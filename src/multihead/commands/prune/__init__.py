@@ -1,5 +1,5 @@
 """``multihead prune``: choose the heads of a checkpoint the refit can make up for on your text, prune them,
-refit, recover, measure, save.
+refit, reconstruct, recover, measure, save.
 
 Dimensions: B batch, L tokens, E hidden width, V vocabulary, N texts, P = N (N - 1) / 2 pairs.
 
@@ -19,14 +19,17 @@ Dimensions: B batch, L tokens, E hidden width, V vocabulary, N texts, P = N (N -
    (BERT-family encoders) that layer's feed-forward output projection, ridge-pulled toward its own weights,
    so that the layer's residual sum matches the original's; on the training tokens plus those of two
    random crops of each text (:func:`refit_layers`, :func:`crops`, :mod:`.refit`);
-4. recover: distil toward the original (:mod:`.recover`), stopped early on the validation texts, and when
-   no step improved them, tried again from the refit weights at a lower learning rate
+4. reconstruct, layer by layer: each pruned layer's attention parameters trained by gradient so that the
+   layer, on the pruned model's own input, gives the original layer's output, stopped early on the
+   validation texts (:func:`reconstruct_layers`, :mod:`.reconstruct`);
+5. recover: distil toward the original (:mod:`.recover`), stopped early on the validation texts, and when
+   no step improved them, tried again from the weights it started from at a lower learning rate
    (:data:`RECOVERY_LRS`; :data:`FEW_PRUNED_LRS` alone when fewer than half the heads go,
    :func:`recovery_lrs`);
-5. measure each stage on the validation and held-out texts (a stage is kept only if it improves the
+6. measure each stage on the validation and held-out texts (a stage is kept only if it improves the
    validation quality), the parameters, and the forward speed of the original against the pruned model in
    interleaved rounds (:mod:`multihead.bench.pair`);
-6. save the weights (safetensors), config (with ``multihead_heads``), tokenizer and the checkpoint's other
+7. save the weights (safetensors), config (with ``multihead_heads``), tokenizer and the checkpoint's other
    files, and ``prune_report.json`` / ``prune_report.md`` (:mod:`.report`).
 """
 
@@ -70,6 +73,7 @@ from .objectives import (
     pair_similarities,
     spearman,
 )
+from .reconstruct import layer_of, reconstruct_layers
 from .recover import Recovery, recover
 from .refit import (
     LeastSquares,
@@ -115,6 +119,7 @@ __all__ = [
     "encode",
     "feed_forward_sums",
     "heads_to_prune",
+    "layer_of",
     "make_batches",
     "markdown",
     "options_from",
@@ -125,6 +130,7 @@ __all__ = [
     "parse_heads",
     "prepare",
     "read_texts",
+    "reconstruct_layers",
     "recovery_lrs",
     "recover",
     "refit",

@@ -32,6 +32,7 @@ from .inputs import (
     split_texts,
 )
 from .objectives import OBJECTIVES, Batch, Objective, crops, make_batches
+from .reconstruct import layer_of, reconstruct_layers
 from .recover import Recovery, recover
 from .refit import feed_forward_sums, refit_layers
 from .report import markdown, save, speed
@@ -60,8 +61,8 @@ class Job:
         return (
             f"{self.loaded.path}: {self.loaded.kind} ({type(self.loaded.model).__name__}), {total} heads in "
             f"{len(self.counts)} layers; objective: {self.objective.name}; pruning {self.n} heads; "
-            f"{len(s.train) + len(s.validation) + len(s.held_out)} texts: {len(s.train)} to choose heads, refit and "
-            f"recover on, {len(s.validation)} to validate, {len(s.held_out)} held out"
+            f"{len(s.train) + len(s.validation) + len(s.held_out)} texts: {len(s.train)} to choose heads, refit, "
+            f"reconstruct and recover on, {len(s.validation)} to validate, {len(s.held_out)} held out"
         )
 
     def warning(self) -> str | None:
@@ -166,6 +167,22 @@ def _refit(
     return candidate if stages.rows[-1]["kept"] else pruned
 
 
+def _reconstruct(
+    job: Job, opts: Options, model: nn.Module, removed: dict[str, list[int]], stages: Stages
+) -> nn.Module:
+    """Train each pruned layer to reproduce the original layer's output (:func:`reconstruct_layers`), on the
+    training texts and their crops, stopped on the validation texts; kept if validation improves."""
+    candidate = copy.deepcopy(model)
+    layers = {layer_of(candidate, name) for name in removed} - {None}
+    with Progress(len(layers), "reconstruct", enabled=opts.progress) as bar:
+        reconstruct_layers(
+            candidate, job.loaded.model, job.batches["refit"], job.batches["validation"], job.objective,
+            list(removed), seed=opts.seed, progress=lambda: bar.update(1),
+        )  # fmt: skip
+    stages.measure("reconstructed", candidate)
+    return candidate if stages.rows[-1]["kept"] else model
+
+
 def _recover(job: Job, opts: Options, model: nn.Module, stages: Stages) -> Recovery:
     """Distil toward the original (:mod:`.recover`), stopped on the validation texts; at the next learning rate
     of ``opts.lrs`` (default :func:`~.inputs.recovery_lrs`) when no step of one improved them."""
@@ -259,6 +276,7 @@ def run(opts: Options, *, echo: Echo = print) -> dict[str, Any]:
     pruned, removed = _prune(job, opts)
     stages.measure("pruned", pruned, kept=True)
     model = _refit(job, opts, pruned, removed, stages)
+    model = _reconstruct(job, opts, model, removed, stages)
     rec = _recover(job, opts, model, stages)
     report = _report(job, opts, model, removed, stages, rec)
     report["seconds"] = time.perf_counter() - started

@@ -56,7 +56,7 @@ def recovery_lrs(pruned: int, total: int) -> tuple[float, ...]:
 
 
 MIN_VALIDATION = 4  # texts that choose between stages and stop recovery
-MIN_TRAIN = 8  # texts that choose the heads, refit and recover on
+MIN_TRAIN = 8  # texts that choose the heads, refit, reconstruct and recover on
 MIN_TEXTS = MIN_HELD_OUT + MIN_VALIDATION + MIN_TRAIN
 """The fewest texts ``multihead prune`` works with: fewer is a usage error naming this number."""
 
@@ -162,7 +162,7 @@ def check_out(out: Path) -> None:
 
 @dataclass(frozen=True)
 class Splits:
-    """The texts, split: ``train`` (choose heads, refit, recover), ``validation`` (choose stages, stop recovery),
+    """The texts, split: ``train`` (choose heads, refit, reconstruct, recover), ``validation`` (choose stages, stop recovery),
     ``held_out`` (measured only: the quality the report states)."""
 
     train: list[str]

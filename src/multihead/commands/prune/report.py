@@ -104,7 +104,7 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"{report['kind']} checkpoint, objective: {report['objective']}; pruned {report['pruned_count']} of "
         f"{report['heads_before']} heads (`--heads {report['heads_arg']}`); {t['total']} texts: {t['train']} to "
-        f"choose heads, refit and recover on, {t['validation']} to validate (choose stages, stop recovery), "
+        f"choose heads, refit, reconstruct and recover on, {t['validation']} to validate (choose stages, stop recovery), "
         f"{t['held_out']} held out (measured only).",
         *(["", f"**Warning:** {report['warning']}"] if report.get("warning") else []),
         "",

@@ -432,9 +432,11 @@ def test_tiny_lm_end_to_end(tmp_path, folders, lines, kind, task_class):
 def test_cli_runs_prune(tmp_path, folders, lines, capsys):
     out = tmp_path / "pruned"
     code = cli.main(["prune", str(folders["masked-lm"]), "--data", str(lines), "--heads", "2", "--recover", "1",
-                     "--out", str(out)])  # fmt: skip
+                     "--reconstruct", "0", "--out", str(out)])  # fmt: skip
     assert code == 0
-    assert json.loads((out / "prune_report.json").read_text())["heads_after"] == 6
+    report = json.loads((out / "prune_report.json").read_text())
+    assert report["heads_after"] == 6
+    assert [s["stage"] for s in report["quality"]["stages"]] == ["pruned", "refit", "recovered"]  # none asked
     assert "prune_report.md" in capsys.readouterr().out
 
 
@@ -473,6 +475,8 @@ def _bad(tmp_path, folders, lines, capsys, argv_for):
         ("empties a layer", "would empty a layer"),
         ("fraction empties a layer", "would empty a layer"),
         ("recover -1", "--recover"),
+        ("reconstruct -1", "--reconstruct must be a number of steps >= 0"),
+        ("reconstruct 2.5", "--reconstruct must be a number of steps >= 0"),
         ("text too long", "--truncate"),
         ("out not empty", "--out"),
     ],
@@ -480,7 +484,7 @@ def _bad(tmp_path, folders, lines, capsys, argv_for):
 def test_bad_input(tmp_path, folders, lines, capsys, case, expect):
     data = lines
     model = None
-    heads_arg, recover = "0.25", "0"
+    heads_arg, recover, reconstruct = "0.25", "0", "0"
     if case == "not a checkpoint":
         model = tmp_path / "nothing"
         model.mkdir()
@@ -504,6 +508,8 @@ def test_bad_input(tmp_path, folders, lines, capsys, case, expect):
         heads_arg = "0.9"
     elif case == "recover -1":
         recover = "-1"
+    elif case.startswith("reconstruct "):
+        reconstruct = case.split()[1]
     elif case == "text too long":
         data.write_text("\n".join(SENTENCES + ["the cat " * 40]))  # 82 tokens > 64
     elif case == "out not empty":
@@ -512,7 +518,7 @@ def test_bad_input(tmp_path, folders, lines, capsys, case, expect):
 
     def argv(folder, data_path, out):
         return ["prune", str(model or folder), "--data", str(data), "--heads", heads_arg, "--recover", recover,
-                "--out", out]  # fmt: skip
+                "--reconstruct", reconstruct, "--out", out]  # fmt: skip
 
     if case == "out not empty":
         code_err = _bad_existing(tmp_path, argv, capsys, folders, lines)

@@ -43,6 +43,7 @@ from .choose import (
 )
 from .command import Job, Stages, options_from, prepare, run
 from .inputs import (
+    DEFAULT_RECONSTRUCT,
     DEFAULT_RECOVER,
     FEW_PRUNED_LRS,
     FEW_TEXTS,
@@ -55,6 +56,7 @@ from .inputs import (
     heads_to_prune,
     parse_heads,
     read_texts,
+    reconstruct_steps,
     recovery_lrs,
     split_texts,
 )
@@ -88,6 +90,7 @@ from .refit import (
 from .report import markdown
 
 __all__ = [
+    "DEFAULT_RECONSTRUCT",
     "DEFAULT_RECOVER",
     "FEW_TEXTS",
     "FOLDS",
@@ -131,6 +134,7 @@ __all__ = [
     "prepare",
     "read_texts",
     "reconstruct_layers",
+    "reconstruct_steps",
     "recovery_lrs",
     "recover",
     "refit",

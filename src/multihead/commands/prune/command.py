@@ -18,6 +18,7 @@ from .. import model_dir
 from ..training import count_params
 from .choose import check_prunable, choose_compensable, spread_subset
 from .inputs import (
+    DEFAULT_RECONSTRUCT,
     FEW_TEXTS,
     Options,
     PruneError,
@@ -27,6 +28,7 @@ from .inputs import (
     heads_to_prune,
     parse_heads,
     read_texts,
+    reconstruct_steps,
     recover_steps,
     recovery_lrs,
     split_texts,
@@ -54,6 +56,7 @@ class Job:
     splits: Splits
     ids: dict[str, list[list[int]]]  # split name -> token ids
     steps: int
+    reconstruct: int = DEFAULT_RECONSTRUCT  # steps per pruned layer (0: no reconstruction stage)
     batches: dict[str, list[Batch]] = field(default_factory=dict)
 
     def describe(self) -> str:
@@ -80,6 +83,7 @@ def prepare(opts: Options) -> Job:
     """Check every input (:class:`PruneError` on the first bad one, nothing written) and load the checkpoint."""
     value = parse_heads(opts.heads)
     steps = recover_steps(opts.recover)
+    reconstruct = reconstruct_steps(opts.reconstruct)
     check_out(Path(opts.out))
     splits = split_texts(read_texts(opts.data), opts.held_out, opts.validation)
     try:
@@ -91,7 +95,7 @@ def prepare(opts: Options) -> Job:
     n = heads_to_prune(value, counts)
     texts = {"train": splits.train, "validation": splits.validation, "held_out": splits.held_out}
     ids = {k: encode(loaded.tokenizer, v, loaded.max_length, opts.truncate) for k, v in texts.items()}
-    return Job(loaded, OBJECTIVES[loaded.kind](), counts, n, splits, ids, steps)
+    return Job(loaded, OBJECTIVES[loaded.kind](), counts, n, splits, ids, steps, reconstruct)
 
 
 def _batch(job: Job, opts: Options) -> None:
@@ -171,13 +175,16 @@ def _reconstruct(
     job: Job, opts: Options, model: nn.Module, removed: dict[str, list[int]], stages: Stages
 ) -> nn.Module:
     """Train each pruned layer to reproduce the original layer's output (:func:`reconstruct_layers`), on the
-    training texts and their crops, stopped on the validation texts; kept if validation improves."""
+    training texts and their crops, stopped on the validation texts; kept if validation improves. No stage
+    with ``--reconstruct 0``."""
+    if not job.reconstruct:
+        return model
     candidate = copy.deepcopy(model)
     layers = {layer_of(candidate, name) for name in removed} - {None}
     with Progress(len(layers), "reconstruct", enabled=opts.progress) as bar:
         reconstruct_layers(
             candidate, job.loaded.model, job.batches["refit"], job.batches["validation"], job.objective,
-            list(removed), seed=opts.seed, progress=lambda: bar.update(1),
+            list(removed), steps=job.reconstruct, seed=opts.seed, progress=lambda: bar.update(1),
         )  # fmt: skip
     stages.measure("reconstructed", candidate)
     return candidate if stages.rows[-1]["kept"] else model
@@ -294,6 +301,7 @@ def options_from(args: Any) -> Options:
         heads=args.heads,
         out=args.out,
         recover=args.recover,
+        reconstruct=args.reconstruct,
         truncate=args.truncate,
         progress=True,
     )

@@ -1,4 +1,5 @@
-"""What ``multihead prune`` is given: its options, the text file, ``--heads``, ``--recover``, the splits.
+"""What ``multihead prune`` is given: its options, the text file, ``--heads``, ``--recover``,
+``--reconstruct``, the splits.
 
 Every check here raises :class:`PruneError` (one line; the CLI exits with status 2) before any work.
 """
@@ -16,6 +17,7 @@ from ...bench.pair import PAIR_SETTINGS
 from .. import model_dir
 
 __all__ = [
+    "DEFAULT_RECONSTRUCT",
     "DEFAULT_RECOVER",
     "FEW_TEXTS",
     "MIN_TEXTS",
@@ -29,6 +31,7 @@ __all__ = [
     "heads_to_prune",
     "parse_heads",
     "read_texts",
+    "reconstruct_steps",
     "recover_steps",
     "recovery_lrs",
     "split_texts",
@@ -79,6 +82,7 @@ class Options:
     heads: str
     out: str | Path
     recover: int | str | None = None  # None: DEFAULT_RECOVER
+    reconstruct: int | str | None = None  # steps per layer; None: DEFAULT_RECONSTRUCT
     truncate: bool = False
     batch_size: int = 16
     lrs: tuple[float, ...] | None = None  # recovery's learning rates, tried in turn (None: recovery_lrs)
@@ -141,17 +145,31 @@ def heads_to_prune(value: float | int, counts: dict[str, int]) -> int:
     return n
 
 
-def recover_steps(value: int | str | None) -> int:
-    """``--recover`` as a number of steps (None: :data:`DEFAULT_RECOVER`)."""
+def _steps(value: int | str | None, default: int, flag: str, zero: str) -> int:
+    """A ``--recover`` / ``--reconstruct`` value as a number of steps >= 0 (None: ``default``)."""
     if value is None:
-        return DEFAULT_RECOVER
+        return default
     try:
         steps = int(value)
     except (TypeError, ValueError):
         steps = -1
     if steps < 0 or str(value).strip() != str(steps):
-        raise PruneError(f"--recover must be a number of steps >= 0 (0 = no recovery), got {value!r}")
+        raise PruneError(f"{flag} must be a number of steps >= 0 (0 = {zero}), got {value!r}")
     return steps
+
+
+def recover_steps(value: int | str | None) -> int:
+    """``--recover`` as a number of steps (None: :data:`DEFAULT_RECOVER`)."""
+    return _steps(value, DEFAULT_RECOVER, "--recover", "no recovery")
+
+
+DEFAULT_RECONSTRUCT = 300
+"""Default reconstruction steps per pruned layer (:mod:`.reconstruct`; at most: the best check is kept)."""
+
+
+def reconstruct_steps(value: int | str | None) -> int:
+    """``--reconstruct`` as a number of steps per layer (None: :data:`DEFAULT_RECONSTRUCT`)."""
+    return _steps(value, DEFAULT_RECONSTRUCT, "--reconstruct", "no reconstruction")
 
 
 def check_out(out: Path) -> None:

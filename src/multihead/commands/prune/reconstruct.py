@@ -30,13 +30,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .inputs import DEFAULT_RECONSTRUCT
 from .objectives import Batch, Objective
 from .refit import _real, _Stop, output_projection
 
 __all__ = ["CHECK_EVERY", "LR", "STEPS", "layer_of", "reconstruct_layers"]
 
-STEPS = 300
-"""AdamW steps per layer (at most: the weights of the best validation check are kept)."""
+STEPS = DEFAULT_RECONSTRUCT
+"""AdamW steps per layer (at most: the weights of the best validation check are kept; ``--reconstruct``)."""
 
 LR = 3e-4
 """Learning rate of the layer-wise training (constant)."""

@@ -59,12 +59,18 @@ def layer_of(model: nn.Module, name: str) -> str | None:
 Call = tuple[tuple[Any, ...], dict[str, Any]]
 
 
-def _no_cache(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The layer's keyword arguments with any KV cache left out (replaying must not append to one)."""
-    out = {k: (None if "past_key" in k else v) for k, v in kwargs.items()}
+def _is_cache(value: object) -> bool:
+    """Whether ``value`` is a KV cache (a ``transformers`` ``Cache``, by its class or a base's name)."""
+    return any(c.__name__ == "Cache" or c.__name__.endswith("Cache") for c in type(value).__mro__[:-1])
+
+
+def _no_cache(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
+    """The layer's arguments with any KV cache left out (replaying must not append to one): a cache object
+    under any name (``past_key_values`` in transformers 5.23, ``cache`` in 5.24) becomes None."""
+    out = {k: (None if "past_key" in k or _is_cache(v) else v) for k, v in kwargs.items()}
     if "use_cache" in out:
         out["use_cache"] = False
-    return out
+    return tuple(None if _is_cache(a) else a for a in args), out
 
 
 def _first(out: Any) -> Tensor:
@@ -97,7 +103,7 @@ def _student_calls(
     calls: list[Call] = []
 
     def hook(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        calls.append((args, _no_cache(kwargs)))
+        calls.append(_no_cache(args, kwargs))
         raise _Stop
 
     handle = layer.register_forward_pre_hook(hook, with_kwargs=True)

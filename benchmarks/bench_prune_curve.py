@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     load_before = "{:.1f} / {:.1f} / {:.1f}".format(*os.getloadavg())
     lines = corpora.LARGER[CORPUS]()
     calibration, held = corpora.split(lines)
+    packages = len(corpora.installed_package_texts())
     sizes = args.sizes or [len(calibration) >> i for i in reversed(range(HALVINGS))]
     records = []
     for frac in args.heads:
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
             res = {
                 "records": records,
                 "sentences": len(lines),
-                "packages": len(corpora.installed_package_texts()),
+                "packages": packages,
                 "calibration": len(calibration),
                 "external_lines": len(held),
                 "machine": machine().words(),

@@ -34,10 +34,7 @@ from .inputs import DEFAULT_RECONSTRUCT
 from .objectives import Batch, Objective
 from .refit import _real, _Stop, output_projection
 
-__all__ = ["CHECK_EVERY", "LR", "STEPS", "layer_of", "reconstruct_layers"]
-
-STEPS = DEFAULT_RECONSTRUCT
-"""AdamW steps per layer (at most: the weights of the best validation check are kept; ``--reconstruct``)."""
+__all__ = ["CHECK_EVERY", "LR", "layer_of", "reconstruct_layers"]
 
 LR = 3e-4
 """Learning rate of the layer-wise training (constant)."""
@@ -61,7 +58,7 @@ Call = tuple[tuple[Any, ...], dict[str, Any]]
 
 def _is_cache(value: object) -> bool:
     """Whether ``value`` is a KV cache (a ``transformers`` ``Cache``, by its class or a base's name)."""
-    return any(c.__name__ == "Cache" or c.__name__.endswith("Cache") for c in type(value).__mro__[:-1])
+    return any(c.__name__.endswith("Cache") for c in type(value).__mro__[:-1])
 
 
 def _no_cache(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
@@ -148,7 +145,7 @@ def reconstruct_layers(
     objective: Objective,
     modules: Sequence[str],
     *,
-    steps: int = STEPS,
+    steps: int = DEFAULT_RECONSTRUCT,
     lr: float = LR,
     check_every: int = CHECK_EVERY,
     seed: int = 0,

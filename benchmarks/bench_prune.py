@@ -105,34 +105,47 @@ def time_forward(folder: Path, texts: list[str], quick: bool) -> dict:
     }
 
 
-def run_one(corpus: str, frac: str, seed: int, quick: bool, timed: bool) -> dict:
-    """Prune MiniLM on ``corpus``'s calibration lines; the record of stages, external quality, time."""
-    calibration, held = corpora.split(corpora.CORPORA[corpus]())
+def prune_lines(
+    calibration: list[str], held: list[str], frac: str, seed: int, *, quick: bool = False, timed: bool = False
+) -> tuple[dict, dict]:
+    """Run the command (default options) on ``calibration``, score the saved model on ``held``:
+    ``(the command's report, what every bench records of it)``. ``quick``: 5 recovery steps; ``timed``:
+    the record also holds the saved model's forward time against the original's (:func:`time_forward`)."""
     with tempfile.TemporaryDirectory() as tmp:
         data, out = Path(tmp) / "lines.txt", Path(tmp) / "pruned"
         data.write_text("\n".join(calibration) + "\n", encoding="utf-8")
         opts = prune.Options(minilm_dir(), data, frac, out, recover=5 if quick else None, seed=seed)
         report = prune.run(opts, echo=print)
         record = {
-            "corpus": corpus,
-            "heads": frac,
-            "seed": seed,
-            "lines_calibration": len(calibration),
-            "lines_external": len(held),
-            "texts": report["texts"],
-            "heads_left": report["heads_after"],
-            "heads_total": report["heads_before"],
-            "params": [report["params_before"], report["params_after"]],
             "stages": report["quality"]["stages"],
-            "final_stage": report["quality"]["final_stage"],
-            "command_held_out": report["quality"]["final"],
             "external": external_quality(out, held),
-            "recovery": {k: report["recovery"][k] for k in ("steps", "steps_run", "kept_step", "lrs_tried")},
             "command_seconds": report["seconds"],
             "load_after": os.getloadavg()[0],
         }
         if timed:
             record["timing"] = time_forward(out, calibration, quick)
+    return report, record
+
+
+def run_one(corpus: str, frac: str, seed: int, quick: bool, timed: bool) -> dict:
+    """Prune MiniLM on ``corpus``'s calibration lines; the record of stages, external quality, time."""
+    calibration, held = corpora.split(corpora.CORPORA[corpus]())
+    report, common = prune_lines(calibration, held, frac, seed, quick=quick, timed=timed)
+    record = {
+        "corpus": corpus,
+        "heads": frac,
+        "seed": seed,
+        "lines_calibration": len(calibration),
+        "lines_external": len(held),
+        "texts": report["texts"],
+        "heads_left": report["heads_after"],
+        "heads_total": report["heads_before"],
+        "params": [report["params_before"], report["params_after"]],
+        **common,
+        "final_stage": report["quality"]["final_stage"],
+        "command_held_out": report["quality"]["final"],
+        "recovery": {k: report["recovery"][k] for k in ("steps", "steps_run", "kept_step", "lrs_tried")},
+    }
     print(json.dumps({k: v for k, v in record.items() if k != "stages"}))
     return record
 
@@ -152,10 +165,21 @@ def _group(records: list[dict]) -> dict[tuple[str, str], list[dict]]:
     return groups
 
 
+def _by_stage(records: list[dict]) -> str:
+    """Mean seconds each stage took (making and measuring it) over ``records``; the rest of the command's
+    time is loading, batching, the speed comparison and saving."""
+    parts = []
+    for s in STAGES:
+        took = [x["seconds"] for r in records for x in r["stages"] if x["stage"] == s and "seconds" in x]
+        if took:
+            parts.append(f"{s} {statistics.fmean(took):.0f}")
+    return " / ".join(parts) + " s" if parts else "-"
+
+
 def markdown(res: dict) -> str:
     """The results as markdown: the per-corpus table, stage by stage, and the speed."""
     rows = [["corpus", "--heads", "lines (cal. / ext.)", "pruned", "+ refit", "+ reconstruction", "+ recovery", "saved, external held-out (target)",
-             "recovery steps run / kept (learning rates tried)", "command time"]]  # fmt: skip
+             "recovery steps run / kept (learning rates tried)", "command time", "of which, by stage"]]  # fmt: skip
     for (corpus, frac), rs in _group(res["records"]).items():
         stage = {s: [next(x for x in r["stages"] if x["stage"] == s)["held_out"] for r in rs] for s in STAGES}
         kept = {
@@ -173,6 +197,7 @@ def markdown(res: dict) -> str:
             ", ".join(f"{r['recovery']['steps_run']}/{r['recovery']['kept_step']} "
                       f"({', '.join(f'{lr:g}' for lr in r['recovery']['lrs_tried'])})" for r in rs),
             _spread([r["command_seconds"] for r in rs], ".0f") + f" s ({len(rs)} seeds)",
+            _by_stage(rs),
         ])  # fmt: skip
     timed = [r for r in res["records"] if "timing" in r]
     speed = [["--heads", "heads left", "parameters", "forward original", "forward pruned", "speed-up [IQR]"]]

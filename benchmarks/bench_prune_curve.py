@@ -21,7 +21,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -29,15 +28,13 @@ import torch
 import transformers as T
 
 from multihead.bench.pair import machine
-from multihead.commands import prune
 from multihead.commands.training import markdown_table
-from multihead.testing import minilm_dir
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE / "data"))
 import corpora  # noqa: E402  (benchmarks/data/corpora.py)
-from bench_prune import TARGETS, external_quality  # noqa: E402
+from bench_prune import TARGETS, prune_lines  # noqa: E402
 
 RESULTS = HERE / "results"
 CORPUS = "all-package-docs"
@@ -47,18 +44,8 @@ HALVINGS = 4  # the points: all the calibration lines, half of them, a quarter, 
 
 def run_one(calibration: list[str], held: list[str], frac: str, n: int) -> dict:
     """Prune on the first ``n`` calibration lines; the record of stages, external quality and time."""
-    with tempfile.TemporaryDirectory() as tmp:
-        data, out = Path(tmp) / "lines.txt", Path(tmp) / "pruned"
-        data.write_text("\n".join(calibration[:n]) + "\n", encoding="utf-8")
-        report = prune.run(prune.Options(minilm_dir(), data, frac, out, seed=0), echo=print)
-        record = {
-            "heads": frac,
-            "lines": n,
-            "stages": report["quality"]["stages"],
-            "external": external_quality(out, held),
-            "command_seconds": report["seconds"],
-            "load_after": os.getloadavg()[0],
-        }
+    _, common = prune_lines(calibration[:n], held, frac, 0)
+    record = {"heads": frac, "lines": n, **common}
     print(json.dumps({k: v for k, v in record.items() if k != "stages"}))
     return record
 

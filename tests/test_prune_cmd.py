@@ -360,6 +360,11 @@ def test_minilm_end_to_end(minilm_pruned):
     ]
     assert all(-1 <= s[k] <= 1 for s in stages for k in ("held_out", "validation"))
     assert saved["quality"]["final"] == next(s for s in reversed(stages) if s["kept"])["held_out"]
+    assert all(s["seconds"] > 0 for s in stages) and sum(s["seconds"] for s in stages) < saved["seconds"]
+    layers = {f"encoder.layer.{name.split('.')[2]}" for name in saved["removed"]}
+    assert set(saved["reconstruction"]) == layers  # every pruned layer's error: kept weights never worse
+    assert all(0 <= after <= before for before, after in saved["reconstruction"].values())
+    assert "## Reconstruction" in (out / "prune_report.md").read_text()
     assert saved["texts"] == {"train": 12, "validation": 4, "held_out": 8, "total": 24}
     assert "only 24 texts" in saved["warning"]
     assert saved["speed"]["speedup"] > 0 and saved["machine"]
@@ -437,6 +442,7 @@ def test_cli_runs_prune(tmp_path, folders, lines, capsys):
     report = json.loads((out / "prune_report.json").read_text())
     assert report["heads_after"] == 6
     assert [s["stage"] for s in report["quality"]["stages"]] == ["pruned", "refit", "recovered"]  # none asked
+    assert report["reconstruction"] == {} and "## Reconstruction" not in (out / "prune_report.md").read_text()
     assert "prune_report.md" in capsys.readouterr().out
 
 

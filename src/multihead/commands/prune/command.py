@@ -123,6 +123,7 @@ class Stages:
         self.sets = {k: (job.batches[k], job.objective.reference(original, job.batches[k])) for k in
                      ("validation", "held_out")}  # fmt: skip
         self.rows: list[dict[str, Any]] = []
+        self.clock = time.perf_counter()  # when the stage being made began
 
     def validate(self, model: nn.Module) -> float:
         """Validation quality as a number where higher is better (what chooses between stages)."""
@@ -131,14 +132,17 @@ class Stages:
 
     def measure(self, stage: str, model: nn.Module, *, kept: bool | None = None, note: str = "") -> None:
         """Measure ``model`` as stage ``stage``; ``kept=None``: kept if it improves the validation quality
-        on the last kept stage."""
+        on the last kept stage. The row's ``seconds``: making and measuring the stage (since the last one)."""
         q = {k: self.objective.quality(model, ref, b) for k, (b, ref) in self.sets.items()}
         if kept is None:
             good = self.objective.goodness
             kept = good(q["validation"]) > good(self.last_kept()["validation"])
+        now, began = time.perf_counter(), self.clock
+        self.clock = now
         self.rows.append(
-            {"stage": stage, "held_out": q["held_out"], "validation": q["validation"], "kept": kept}
-        )
+            {"stage": stage, "held_out": q["held_out"], "validation": q["validation"], "kept": kept,
+             "seconds": now - began}
+        )  # fmt: skip
         self.echo(
             f"{stage}: held-out {self.objective.metric} {q['held_out']:.4f} (validation {q['validation']:.4f})"
             + ("" if kept else ", not kept: it did not improve the validation quality")
@@ -173,21 +177,21 @@ def _refit(
 
 def _reconstruct(
     job: Job, opts: Options, model: nn.Module, removed: dict[str, list[int]], stages: Stages
-) -> nn.Module:
+) -> tuple[nn.Module, dict[str, list[float]]]:
     """Train each pruned layer to reproduce the original layer's output (:func:`reconstruct_layers`), on the
     training texts and their crops, stopped on the validation texts; kept if validation improves. No stage
-    with ``--reconstruct 0``."""
+    with ``--reconstruct 0``. Also returns each layer's validation error ``[before, after]``."""
     if not job.reconstruct:
-        return model
+        return model, {}
     candidate = copy.deepcopy(model)
     layers = {layer_of(candidate, name) for name in removed} - {None}
     with Progress(len(layers), "reconstruct", enabled=opts.progress) as bar:
-        reconstruct_layers(
+        errors = reconstruct_layers(
             candidate, job.loaded.model, job.batches["refit"], job.batches["validation"], job.objective,
             list(removed), steps=job.reconstruct, seed=opts.seed, progress=lambda: bar.update(1),
         )  # fmt: skip
     stages.measure("reconstructed", candidate)
-    return candidate if stages.rows[-1]["kept"] else model
+    return (candidate if stages.rows[-1]["kept"] else model), {k: list(v) for k, v in errors.items()}
 
 
 def _recover(job: Job, opts: Options, model: nn.Module, stages: Stages) -> Recovery:
@@ -213,7 +217,9 @@ def _recover(job: Job, opts: Options, model: nn.Module, stages: Stages) -> Recov
     return rec
 
 
-def _report(job: Job, opts: Options, model: nn.Module, removed: dict, stages: Stages, rec: Recovery) -> dict:
+def _report(
+    job: Job, opts: Options, model: nn.Module, removed: dict, stages: Stages, rec: Recovery, errors: dict
+) -> dict:
     original, s = job.loaded.model, job.splits
     final = stages.last_kept()
     return {
@@ -236,6 +242,7 @@ def _report(job: Job, opts: Options, model: nn.Module, removed: dict, stages: St
             "total": len(s.train) + len(s.validation) + len(s.held_out),
         },  # fmt: skip
         "warning": job.warning(),
+        "reconstruction": errors,  # layer -> validation error [before, after] (relative mean square)
         "recovery": {
             "steps": job.steps,
             "steps_run": len(rec.losses),
@@ -283,9 +290,9 @@ def run(opts: Options, *, echo: Echo = print) -> dict[str, Any]:
     pruned, removed = _prune(job, opts)
     stages.measure("pruned", pruned, kept=True)
     model = _refit(job, opts, pruned, removed, stages)
-    model = _reconstruct(job, opts, model, removed, stages)
+    model, errors = _reconstruct(job, opts, model, removed, stages)
     rec = _recover(job, opts, model, stages)
-    report = _report(job, opts, model, removed, stages, rec)
+    report = _report(job, opts, model, removed, stages, rec, errors)
     report["seconds"] = time.perf_counter() - started
     save(Path(opts.out), job.loaded, model, report)
     echo(markdown(report))

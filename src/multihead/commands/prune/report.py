@@ -72,12 +72,18 @@ def save(out: Path, loaded: Any, model: nn.Module, report: dict[str, Any]) -> No
 
 
 def _stage_rows(q: dict[str, Any]) -> list[list[str]]:
-    rows = [["stage", "held-out quality", "validation quality", "kept"]]
+    rows = [["stage", "held-out quality", "validation quality", "kept", "seconds"]]
     for s in q["stages"]:
+        kept = "yes" if s["kept"] else "no"
         rows.append(
-            [s["stage"], f"{s['held_out']:.4f}", f"{s['validation']:.4f}", "yes" if s["kept"] else "no"]
+            [s["stage"], f"{s['held_out']:.4f}", f"{s['validation']:.4f}", kept, f"{s['seconds']:.0f}"]
         )
     return rows
+
+
+def _reconstruction_rows(errors: dict[str, list[float]]) -> list[list[str]]:
+    rows = [["layer", "validation error before", "after"]]
+    return rows + [[name, f"{before:.4f}", f"{after:.4f}"] for name, (before, after) in errors.items()]
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -122,6 +128,19 @@ def markdown(report: dict[str, Any]) -> str:
         f"ratios. Machine: {report['machine']}. "
         f"Took {report['seconds']:.0f} s.",
         "",
+        *(
+            [
+                "## Reconstruction",
+                "",
+                markdown_table(_reconstruction_rows(report["reconstruction"])),
+                "",
+                "Each pruned layer's output error on the validation texts (mean squared error over real tokens, "
+                "divided by the original output's mean square) before and after its training.",
+                "",
+            ]
+            if report.get("reconstruction")
+            else []
+        ),
         "## Heads removed (original indices)",
         "",
         markdown_table(

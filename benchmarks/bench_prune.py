@@ -234,7 +234,8 @@ def markdown(res: dict) -> str:
         "*+ reconstruction*: layer by layer, each pruned layer's attention parameters trained (AdamW, 3e-4, at "
         "most 300 steps, early-stopped on the validation texts) so that the layer, on the pruned model's own "
         "input, gives the original layer's output (`prune.reconstruct_layers`); "
-        "*+ recovery*: distillation toward the original, early-stopped on the validation split, at learning "
+        "*+ recovery*: distillation toward the original, at most 120 steps after a kept reconstruction (240 "
+        "otherwise), early-stopped on the validation split, at learning "
         "rate 5e-5, or, when no check of that improved the validation split, again from the weights it started from "
         "at 1e-5 (`prune.RECOVERY_LRS`); when fewer than half the heads go, at 1e-5 alone "
         "(`prune.recovery_lrs`).",

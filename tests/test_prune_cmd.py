@@ -5,6 +5,7 @@ folder, small data, and every bad input."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 
@@ -21,6 +22,7 @@ from multihead import cli, heads  # noqa: E402
 from multihead.bench.measure import Settings  # noqa: E402
 from multihead.commands import model_dir  # noqa: E402
 from multihead.commands import prune as P  # noqa: E402
+from multihead.commands.prune import command as C  # noqa: E402
 from multihead.integrations import transformers as mhtf  # noqa: E402
 from multihead.testing import minilm_dir  # noqa: E402
 
@@ -597,4 +599,29 @@ def test_help_has_examples_and_the_default_recovery(capsys):
         cli.main(["prune", "--help"])
     out = capsys.readouterr().out
     assert e.value.code == 0 and "examples:\n  multihead prune" in out
-    assert f"default {P.DEFAULT_RECOVER}" in out
+    words = " ".join(out.split())  # argparse wraps the help
+    assert (
+        f"default {P.DEFAULT_RECOVER}, or {P.DEFAULT_RECOVER_RECONSTRUCTED} when the reconstruction" in words
+    )
+    assert f"(default {P.DEFAULT_RECONSTRUCT}," in words
+
+
+def test_recovery_default_is_shorter_after_a_kept_reconstruction():
+    assert P.recover_steps(None) == P.DEFAULT_RECOVER > P.DEFAULT_RECOVER_RECONSTRUCTED
+    assert P.recover_steps(None, reconstructed=True) == P.DEFAULT_RECOVER_RECONSTRUCTED
+    assert P.recover_steps("7", reconstructed=True) == 7 == P.recover_steps(7)  # an explicit --recover holds
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_a_kept_reconstruction_shortens_the_default_recovery(tmp_path, folders, lines, monkeypatch, kept):
+    measure = C.Stages.measure
+
+    def decided(self, stage, model, **kw):  # the reconstruction stage kept or not, as the case says
+        measure(self, stage, model, **(dict(kept=kept) if stage == "reconstructed" else kw))
+
+    monkeypatch.setattr(C.Stages, "measure", decided)
+    opts = options(folders["masked-lm"], lines, tmp_path / "out", recover=None, reconstruct=2)
+    report = P.run(dataclasses.replace(opts, lrs=(1e-9,), eval_every=1, patience=1), echo=lambda _: None)
+    assert report["recovery"]["steps"] == (P.DEFAULT_RECOVER_RECONSTRUCTED if kept else P.DEFAULT_RECOVER)
+    explicit = options(folders["masked-lm"], lines, tmp_path / "out2", recover=3, reconstruct=2)
+    assert P.run(explicit, echo=lambda _: None)["recovery"]["steps"] == 3  # --recover given: it holds

@@ -189,8 +189,8 @@ def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser
     prune.add_argument(
         "--recover",
         metavar="STEPS",
-        help="distillation steps after pruning (default 240, about 40 s for MiniLM "
-        "on a quiet 2-core CPU; 0: none)",
+        help="distillation steps after pruning (default 240, or 120 when the reconstruction was kept; "
+        "about 0.4 s a step for MiniLM on a quiet 2-core CPU; 0: none)",
     )
     prune.add_argument(
         "--reconstruct",

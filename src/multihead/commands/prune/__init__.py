@@ -45,6 +45,7 @@ from .command import Job, Stages, options_from, prepare, run
 from .inputs import (
     DEFAULT_RECONSTRUCT,
     DEFAULT_RECOVER,
+    DEFAULT_RECOVER_RECONSTRUCTED,
     FEW_PRUNED_LRS,
     FEW_TEXTS,
     MIN_TEXTS,
@@ -57,6 +58,7 @@ from .inputs import (
     parse_heads,
     read_texts,
     reconstruct_steps,
+    recover_steps,
     recovery_lrs,
     split_texts,
 )
@@ -92,6 +94,7 @@ from .report import markdown
 __all__ = [
     "DEFAULT_RECONSTRUCT",
     "DEFAULT_RECOVER",
+    "DEFAULT_RECOVER_RECONSTRUCTED",
     "FEW_TEXTS",
     "FOLDS",
     "MIN_TEXTS",
@@ -135,6 +138,7 @@ __all__ = [
     "read_texts",
     "reconstruct_layers",
     "reconstruct_steps",
+    "recover_steps",
     "recovery_lrs",
     "recover",
     "refit",

@@ -179,8 +179,9 @@ def _reconstruct(
     job: Job, opts: Options, model: nn.Module, removed: dict[str, list[int]], stages: Stages
 ) -> tuple[nn.Module, dict[str, list[float]]]:
     """Train each pruned layer to reproduce the original layer's output (:func:`reconstruct_layers`), on the
-    training texts and their crops, stopped on the validation texts; kept if validation improves. No stage
-    with ``--reconstruct 0``. Also returns each layer's validation error ``[before, after]``."""
+    training texts and their crops, stopped on the validation texts; kept if validation improves (and then
+    recovery's default steps drop to :data:`~.inputs.DEFAULT_RECOVER_RECONSTRUCTED`). No stage with
+    ``--reconstruct 0``. Also returns each layer's validation error ``[before, after]``."""
     if not job.reconstruct:
         return model, {}
     candidate = copy.deepcopy(model)
@@ -191,7 +192,11 @@ def _reconstruct(
             list(removed), steps=job.reconstruct, seed=opts.seed, progress=lambda: bar.update(1),
         )  # fmt: skip
     stages.measure("reconstructed", candidate)
-    return (candidate if stages.rows[-1]["kept"] else model), {k: list(v) for k, v in errors.items()}
+    errors_lists = {k: list(v) for k, v in errors.items()}
+    if not stages.rows[-1]["kept"]:
+        return model, errors_lists
+    job.steps = recover_steps(opts.recover, reconstructed=True)  # less left to recover: a shorter default
+    return candidate, errors_lists
 
 
 def _recover(job: Job, opts: Options, model: nn.Module, stages: Stages) -> Recovery:

@@ -120,6 +120,7 @@ def prune_lines(
             "stages": report["quality"]["stages"],
             "external": external_quality(out, held),
             "command_seconds": report["seconds"],
+            "command_interval": report["quality"]["final_interval"],
             "load_after": os.getloadavg()[0],
         }
         if timed:
@@ -165,6 +166,30 @@ def _group(records: list[dict]) -> dict[tuple[str, str], list[dict]]:
     return groups
 
 
+def _with_interval(records: list[dict]) -> str:
+    """The saved model's quality on the command's held-out split, and the mean ends of the 90% bootstrap
+    interval the command gave it (records from before the interval: the quality alone)."""
+    final = _spread([r["command_held_out"] for r in records])
+    ends = [r["command_interval"] for r in records if "command_interval" in r]
+    if not ends:
+        return final
+    return f"{final} ({statistics.fmean(e[0] for e in ends):.4f}-{statistics.fmean(e[1] for e in ends):.4f})"
+
+
+def _inside(records: list[dict]) -> str:
+    """How often the external held-out quality fell inside the command's own 90% interval."""
+    with_ends = [r for r in records if "command_interval" in r]
+    if not with_ends:
+        return ""
+    inside = [r for r in with_ends if r["command_interval"][0] <= r["external"] <= r["command_interval"][1]]
+    groups = _group(with_ends)
+    per = ", ".join(f"{c} {f}: {sum(r in inside for r in rs)}/{len(rs)}" for (c, f), rs in groups.items())
+    return (
+        f"The saved model's quality on the external sentences fell inside the 90% bootstrap interval the "
+        f"command reported (over its own held-out texts) in {len(inside)} of {len(with_ends)} runs ({per})."
+    )
+
+
 def _by_stage(records: list[dict]) -> str:
     """Mean seconds each stage took (making and measuring it) over ``records``; the rest of the command's
     time is loading, batching, the speed comparison and saving."""
@@ -178,7 +203,7 @@ def _by_stage(records: list[dict]) -> str:
 
 def markdown(res: dict) -> str:
     """The results as markdown: the per-corpus table, stage by stage, and the speed."""
-    rows = [["corpus", "--heads", "lines (cal. / ext.)", "pruned", "+ refit", "+ reconstruction", "+ recovery", "saved, external held-out (target)",
+    rows = [["corpus", "--heads", "lines (cal. / ext.)", "pruned", "+ refit", "+ reconstruction", "+ recovery", "saved: command's held-out (its 90% interval)", "saved, external held-out (target)",
              "recovery steps run / kept (learning rates tried)", "command time", "of which, by stage"]]  # fmt: skip
     for (corpus, frac), rs in _group(res["records"]).items():
         stage = {s: [next(x for x in r["stages"] if x["stage"] == s)["held_out"] for r in rs] for s in STAGES}
@@ -193,6 +218,7 @@ def markdown(res: dict) -> str:
             f"{_spread(stage['refit'])} (kept {kept['refit']}/{len(rs)})",
             f"{_spread(stage['reconstructed'])} (kept {kept['reconstructed']}/{len(rs)})",
             f"{_spread(stage['recovered'])} (kept {kept['recovered']}/{len(rs)})",
+            _with_interval(rs),
             f"**{_spread(ext)}** (>= {TARGETS[frac]}: {verdict})",
             ", ".join(f"{r['recovery']['steps_run']}/{r['recovery']['kept_step']} "
                       f"({', '.join(f'{lr:g}' for lr in r['recovery']['lrs_tried'])})" for r in rs),
@@ -249,6 +275,7 @@ def markdown(res: dict) -> str:
         "",
         markdown_table(rows),
         "",
+        *([_inside(res["records"]), ""] if _inside(res["records"]) else []),
         "Speed (seed 0, licences): forward pass on 32 texts x 128 tokens, original vs the saved pruned folder "
         "in interleaved rounds; median per-round ratio [IQR].",
         "",

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 
 import pytest
 import torch
@@ -146,6 +147,33 @@ def test_embedding_objective_distill_and_quality():
     assert objective.goodness(0.9) < objective.goodness(0.95)  # higher Spearman is better
 
 
+def test_embedding_quality_over_picked_texts_leaves_out_a_text_paired_with_itself():
+    gen = torch.Generator().manual_seed(0)
+    emb, ref = torch.randn(5, 8, generator=gen), torch.randn(5, 8, generator=gen)
+    objective = P.Embedding()
+    cos = lambda x, i, j: float(torch.nn.functional.cosine_similarity(x[i], x[j], dim=0))  # noqa: E731
+    everything = [(i, j) for i in range(5) for j in range(i + 1, 5)]
+    by_hand = lambda pairs: P.spearman(*(torch.tensor([cos(x, i, j) for i, j in pairs]) for x in (emb, ref)))  # noqa: E731
+    assert objective.quality_of(emb, ref) == pytest.approx(by_hand(everything))
+    # texts 0, 0, 1, 3 drawn: pairs (0, 1) twice, (0, 3) twice, (1, 3); never (0, 0)
+    drawn = objective.quality_of(emb, ref, torch.tensor([0, 0, 1, 3]))
+    assert drawn == pytest.approx(by_hand([(0, 1), (0, 3), (0, 1), (0, 3), (1, 3)]))
+
+
+def test_bootstrap_interval_brackets_the_quality_and_is_repeatable():
+    gen = torch.Generator().manual_seed(1)
+    ref = torch.randn(40, 16, generator=gen)
+    objective = P.Embedding()
+    assert objective.interval(ref, ref) == (pytest.approx(1.0), pytest.approx(1.0))  # the original itself
+    near, far = (ref + scale * torch.randn(40, 16, generator=gen) for scale in (0.2, 0.8))
+    lo, hi = objective.interval(near, ref)
+    assert lo < objective.quality_of(near, ref) < hi and (lo, hi) == objective.interval(near, ref)
+    far_lo, far_hi = objective.interval(far, ref)
+    assert far_hi < lo  # a worse model: a lower interval
+    wide = objective.interval(near, ref, level=0.99)
+    assert wide[0] <= lo and hi <= wide[1]
+
+
 def test_contrastive_loss_prefers_the_matching_target():
     target = torch.eye(4)
     assert float(P.contrastive_loss(target, target)) < float(P.contrastive_loss(target, target.roll(1, 0)))
@@ -211,6 +239,23 @@ def test_lm_objectives_label_score_distill_and_measure(folders, kind, cls):
     assert float(objective.distill(student, teacher)) > 1e-6
     ref = objective.reference(ckpt.model, batches)
     assert objective.quality(ckpt.model, ref, batches) == pytest.approx(1.0, abs=1e-4)  # to itself
+    # the per-text losses add up to the model's own (transformers') token-mean loss on each batch
+    pruned = heads.prune(ckpt.model, dict.fromkeys(heads.head_counts(ckpt.model), [0]))
+    for model in (ckpt.model, pruned):
+        for b in batches:
+            mine = objective.scores(model, [b])
+            with torch.no_grad():
+                theirs = float(model(**b.inputs, labels=b.labels).loss)
+            assert float(mine.sums.sum() / mine.counts.sum()) == pytest.approx(theirs, rel=1e-5)
+    per_text = objective.scores(pruned, batches)
+    losses = [
+        float(model(**b.inputs, labels=b.labels).loss) for model in (pruned, ckpt.model) for b in batches
+    ]
+    assert len(per_text) == 6 and objective.quality_of(
+        per_text, ref, torch.tensor([0, 1, 2])
+    ) == pytest.approx(
+        math.exp(losses[0] - losses[len(batches)]), rel=1e-5
+    )  # the texts of the first batch alone: its loss ratio
 
 
 # ------------------------------------------------------------------------------------------------
@@ -364,6 +409,9 @@ def test_minilm_end_to_end(minilm_pruned):
     assert saved["quality"]["final"] == next(s for s in reversed(stages) if s["kept"])["held_out"]
     assert all(s["seconds"] > 0 for s in stages) and sum(s["seconds"] for s in stages) < saved["seconds"]
     layers = {f"encoder.layer.{name.split('.')[2]}" for name in saved["removed"]}
+    lo, hi = saved["quality"]["final_interval"]
+    assert -1 <= lo <= hi <= 1 and saved["quality"]["interval_level"] == 0.9
+    assert f"saved (90% interval {lo:.4f}-{hi:.4f})" in (out / "prune_report.md").read_text()
     assert set(saved["reconstruction"]) == layers  # every pruned layer's error: kept weights never worse
     assert all(0 <= after <= before for before, after in saved["reconstruction"].values())
     assert "## Reconstruction" in (out / "prune_report.md").read_text()

@@ -43,6 +43,8 @@ __all__ = ["Job", "Stages", "options_from", "prepare", "run"]
 
 Echo = Callable[[str], None]
 
+INTERVAL_LEVEL = 0.9  # of the bootstrap interval the report gives the saved model's held-out quality
+
 
 @dataclass
 class Job:
@@ -148,6 +150,12 @@ class Stages:
             + ("" if kept else ", not kept: it did not improve the validation quality")
             + (f"; {note}" if note else "")
         )
+
+    def interval(self, model: nn.Module) -> tuple[float, float]:
+        """A 90% bootstrap interval of ``model``'s held-out quality over the held-out texts
+        (:meth:`~.objectives.Objective.interval`)."""
+        batches, ref = self.sets["held_out"]
+        return self.objective.interval(self.objective.scores(model, batches), ref, level=INTERVAL_LEVEL)
 
     def last_kept(self) -> dict[str, Any]:
         """The last stage kept (its model is the one saved)."""
@@ -262,6 +270,8 @@ def _report(
             "stages": stages.rows,
             "after_prune": stages.rows[0]["held_out"],
             "final": final["held_out"],
+            "final_interval": list(stages.interval(model)),
+            "interval_level": INTERVAL_LEVEL,
             "final_stage": final["stage"],
         },
         "speed": speed(

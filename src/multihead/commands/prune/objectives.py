@@ -37,6 +37,7 @@ __all__ = [
     "Objective",
     "Outputs",
     "Seq2Seq",
+    "TextLosses",
     "contrastive_loss",
     "crops",
     "make_batches",
@@ -47,6 +48,7 @@ __all__ = [
 
 TEMPERATURE = 0.05  # of the contrastive loss: cosine similarities / 0.05
 MASK_RATE = 0.15  # tokens masked for the masked-token and denoising objectives
+BOOTSTRAP_DRAWS = 200  # resamples of the held-out texts for the interval of the reported quality
 
 
 @dataclass
@@ -71,6 +73,17 @@ class Outputs:
             sum(h.numel() * h.element_size() for h in self.hidden)
             + self.out.numel() * self.out.element_size()
         )
+
+
+@dataclass
+class TextLosses:
+    """Each text's summed loss ``sums`` (N,) over its ``counts`` (N,) labelled tokens (LM objectives)."""
+
+    sums: Tensor
+    counts: Tensor
+
+    def __len__(self) -> int:
+        return len(self.sums)
 
 
 class Objective:
@@ -122,13 +135,57 @@ class Objective:
         log_t = F.log_softmax(teacher.out[m], dim=-1)  # (n, V)
         return F.kl_div(log_s, log_t, log_target=True, reduction="batchmean")
 
+    def scores(self, model: nn.Module, batches: Sequence[Batch]) -> Any:
+        """What :meth:`quality_of` needs of ``model`` on ``batches``, text by text (one row per text, in the
+        order of the batches): each text's summed loss and its label count (LM objectives)."""
+        sums, counts = [], []
+        with torch.no_grad():
+            for b in batches:
+                logits, labels = self.aligned(self.forward(model, b).logits, b.labels)  # (B, L', V), (B, L')
+                ce = F.cross_entropy(
+                    logits.float().transpose(1, 2), labels, ignore_index=-100, reduction="none"
+                )
+                sums.append(ce.sum(1).double())
+                counts.append((labels != -100).sum(1).double())
+        return TextLosses(torch.cat(sums), torch.cat(counts))
+
+    def aligned(self, logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        """``logits`` (B, L, V) and ``labels`` (B, L) of one batch, position by position the prediction and
+        its label (the logits already predict their own position's label by default)."""
+        return logits, labels
+
     def reference(self, original: nn.Module, batches: Sequence[Batch]) -> Any:
-        """What :meth:`quality` compares with: the original's token-weighted mean loss on ``batches``."""
-        return _mean_loss(original, batches)
+        """What :meth:`quality` compares with: the original's :meth:`scores` on ``batches``."""
+        return self.scores(original, batches)
+
+    def quality_of(self, scores: Any, reference: Any, pick: Tensor | None = None) -> float:
+        """The quality of ``scores`` against ``reference`` over the texts ``pick`` (indices, repeats allowed:
+        a bootstrap draw; None: every text). LM objectives: the perplexity ratio ``exp(loss - original
+        loss)``, token-weighted mean losses (1.0 = unchanged, higher is worse)."""
+        if pick is None:
+            pick = torch.arange(len(scores))
+        mine, theirs = (
+            scores.sums[pick].sum() / scores.counts[pick].sum().clamp_min(1),
+            reference.sums[pick].sum() / reference.counts[pick].sum().clamp_min(1),
+        )
+        return math.exp(float(mine - theirs))
 
     def quality(self, model: nn.Module, reference: Any, batches: Sequence[Batch]) -> float:
-        """Perplexity ratio ``exp(loss - original loss)`` on ``batches`` (1.0 = unchanged, higher is worse)."""
-        return math.exp(_mean_loss(model, batches) - reference)
+        """:meth:`quality_of` ``model``'s :meth:`scores` on ``batches`` against ``reference``, every text."""
+        return self.quality_of(self.scores(model, batches), reference)
+
+    def interval(
+        self, scores: Any, reference: Any, *, level: float = 0.9, draws: int = BOOTSTRAP_DRAWS, seed: int = 0
+    ) -> tuple[float, float]:
+        """A ``level`` bootstrap interval of :meth:`quality_of` over the texts: ``draws`` resamples of the
+        texts with replacement (a generator seeded by ``seed``), the quantiles of their qualities. How far
+        the quality measured on these texts may be from the same measure on other texts of the same kind."""
+        gen, n = torch.Generator().manual_seed(seed), len(scores)
+        values = torch.tensor([
+            self.quality_of(scores, reference, torch.randint(n, (n,), generator=gen)) for _ in range(draws)
+        ], dtype=torch.float64)  # fmt: skip
+        tail = (1 - level) / 2
+        return float(values.nanquantile(tail)), float(values.nanquantile(1 - tail))
 
     def goodness(self, value: float) -> float:
         """``value`` of :meth:`quality` as a number where higher is better (to compare stages)."""
@@ -149,6 +206,10 @@ class CausalLM(_LanguageModel):
     def labels(self, input_ids: Tensor, attention: Tensor, tokenizer: Any, gen: torch.Generator) -> Batch:
         labels = input_ids.masked_fill(attention == 0, -100)  # (B, L)
         return Batch({"input_ids": input_ids, "attention_mask": attention}, labels)
+
+    def aligned(self, logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        """Position t predicts token t + 1."""
+        return logits[:, :-1], labels[:, 1:]
 
 
 def _mask_tokens(
@@ -231,15 +292,21 @@ class Embedding(Objective):
         cos = F.cosine_similarity(student.out, teacher.out, dim=-1)  # (B,)
         return contrastive_loss(student.out, teacher.out) + (1 - cos).mean()
 
-    def reference(self, original: nn.Module, batches: Sequence[Batch]) -> Tensor:
-        """The original's embeddings of the texts of ``batches``, (N, E)."""
+    def scores(self, model: nn.Module, batches: Sequence[Batch]) -> Tensor:
+        """``model``'s embeddings of the texts of ``batches``, (N, E)."""
         with torch.no_grad():
-            return torch.cat([embed(original, b) for b in batches])
+            return torch.cat([embed(model, b) for b in batches])
 
-    def quality(self, model: nn.Module, reference: Tensor, batches: Sequence[Batch]) -> float:
-        with torch.no_grad():
-            emb = torch.cat([embed(model, b) for b in batches])  # (N, E)
-        return spearman(pair_similarities(emb), pair_similarities(reference))
+    def quality_of(self, scores: Tensor, reference: Tensor, pick: Tensor | None = None) -> float:
+        """Spearman of the pairwise cosine similarities of ``scores`` (N, E) against ``reference``'s, over the
+        pairs of distinct texts among ``pick`` (None: every text)."""
+        if pick is None:
+            pick = torch.arange(len(scores))
+        i, j = torch.triu_indices(len(pick), len(pick), offset=1)
+        distinct = pick[i] != pick[j]  # a text drawn twice is not a pair
+        i, j = pick[i[distinct]], pick[j[distinct]]
+        z, r = F.normalize(scores, dim=-1), F.normalize(reference, dim=-1)
+        return spearman((z[i] * z[j]).sum(-1), (r[i] * r[j]).sum(-1))
 
 
 OBJECTIVES: dict[str, type[Objective]] = {
@@ -320,17 +387,6 @@ def _pad_id(tokenizer: Any) -> int:
         if isinstance(value, int):
             return value
     return 0
-
-
-def _mean_loss(model: nn.Module, batches: Sequence[Batch]) -> float:
-    """Token-weighted mean of ``model``'s loss over ``batches`` (LM objectives)."""
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for b in batches:
-            n = int((b.labels != -100).sum())  # type: ignore[union-attr]
-            total += float(model(**b.inputs, labels=b.labels).loss) * n
-            count += n
-    return total / max(1, count)
 
 
 def mean_pool(hidden: Tensor, attention_mask: Tensor) -> Tensor:

@@ -14,7 +14,7 @@ from ...bench.measure import Settings
 from ...bench.pair import time_pair
 from ...progress import Progress
 from ..training import markdown_table
-from .objectives import Objective, make_batches
+from .objectives import BOOTSTRAP_DRAWS, Objective, make_batches
 
 __all__ = ["markdown", "save", "speed"]
 
@@ -101,7 +101,8 @@ def markdown(report: dict[str, Any]) -> str:
         [
             f"held-out {q['metric']}",
             "1.0 (reference)",
-            f"{q['after_prune']:.4f} pruned, {q['final']:.4f} saved",
+            f"{q['after_prune']:.4f} pruned, {q['final']:.4f} saved "
+            f"({q['interval_level']:.0%} interval {q['final_interval'][0]:.4f}-{q['final_interval'][1]:.4f})",
         ],
     ]
     rec = report["recovery"]
@@ -121,6 +122,9 @@ def markdown(report: dict[str, Any]) -> str:
         markdown_table(_stage_rows(q)),
         "",
         f"Quality: {q['metric']} ({q['direction']}). A stage is kept when it improves the validation quality. "
+        f"The saved model's interval: {q['interval_level']:.0%} of {BOOTSTRAP_DRAWS} resamples of the "
+        f"{t['held_out']} held-out texts (drawn with replacement) measure within it; the quality on other texts "
+        "like yours may differ by as much. "
         f"Recovery: {rec['steps_run']} steps run (at most {rec['steps']} per learning rate tried: "
         f"{', '.join(f'{lr:g}' for lr in rec.get('lrs_tried', [])) or 'none'}), the weights of step "
         f"{rec['kept_step']} of the last try kept (0 = none helped). Speed: forward passes of the two models in "

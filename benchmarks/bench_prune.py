@@ -186,7 +186,10 @@ def _inside(records: list[dict]) -> str:
     per = ", ".join(f"{c} {f}: {sum(r in inside for r in rs)}/{len(rs)}" for (c, f), rs in groups.items())
     return (
         f"The saved model's quality on the external sentences fell inside the 90% bootstrap interval the "
-        f"command reported (over its own held-out texts) in {len(inside)} of {len(with_ends)} runs ({per})."
+        f"command reported (over its own held-out texts) in {len(inside)} of {len(with_ends)} runs ({per}). "
+        "The interval is how much the command's figure depends on which of the calibration texts it held "
+        "out; the external sentences are another fixed set, and where they are harder or easier than the "
+        "command's held-out split (docs/heads.md) they fall outside it."
     )
 
 

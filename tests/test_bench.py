@@ -401,3 +401,32 @@ def test_prune_curve_report_is_its_json_and_counts_doublings():
         {"heads": "0.5", "lines": 400, "stages": stage, "external": 0.92, "command_seconds": 2.0},
     ])  # fmt: skip
     assert "--heads 0.5: +0.0100 per doubling of the lines (100 -> 400)" in curve.markdown(two)
+
+
+@pytest.mark.parametrize(
+    ("module", "stem"), [("bench_prune", "prune"), ("bench_prune_interval", "prune_interval")]
+)
+def test_prune_reports_are_their_json(module, stem):
+    pytest.importorskip("transformers")
+    bench = _bench_module(module)
+    res = json.loads((Path(bench.RESULTS) / f"{stem}.json").read_text())
+    assert (Path(bench.RESULTS) / f"{stem}.md").read_text() == bench.markdown(res)
+
+
+def test_prune_interval_maps_batch_rows_back_to_their_texts():
+    pytest.importorskip("transformers")
+    import transformers as T
+
+    from multihead.commands import prune
+    from multihead.testing import minilm_dir
+
+    bench = _bench_module("bench_prune_interval")
+    tok = T.AutoTokenizer.from_pretrained(minilm_dir())
+    texts = ["a long sentence with many more words in it", "short", "a mid-sized one here", "short", "x y"]
+    batches = prune.make_batches(prune.encode(tok, texts, 512, True), tok, prune.Embedding(), 2, 0)
+    rows = bench._rows(batches, texts, tok)
+    assert sorted(i for r in rows for i in r) == list(range(len(texts)))  # each text once, duplicates too
+    ids = prune.encode(tok, texts, 512, True)
+    for b, r in zip(batches, rows, strict=True):
+        for got, att, i in zip(b.inputs["input_ids"], b.inputs["attention_mask"], r, strict=True):
+            assert got[att.bool()].tolist() == ids[i]

@@ -190,7 +190,7 @@ def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser
         "--recover",
         metavar="STEPS",
         help="distillation steps after pruning (default 240, or 120 when the reconstruction was kept; "
-        "about 0.4 s a step for MiniLM on a quiet 2-core CPU; 0: none)",
+        "0.1-0.4 s a step for MiniLM on a quiet 2-core CPU; 0: none)",
     )
     prune.add_argument(
         "--reconstruct",

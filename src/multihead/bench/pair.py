@@ -39,14 +39,21 @@ class Machine(NamedTuple):
 
 
 def machine() -> Machine:
-    """The CPU model (``/proc/cpuinfo``'s model name, else ``platform``), cores, threads and load now."""
+    """The CPU model (``/proc/cpuinfo``'s model name with its family and model numbers, which tell the
+    generations apart where a virtual machine's name does not: "AMD EPYC" is family 25 on Zen 4 and 26 on
+    Zen 5; else ``platform``), cores, threads and load now."""
     cpu = ""
     info = Path("/proc/cpuinfo")
     if info.exists():
+        fields: dict[str, str] = {}
         for line in info.read_text(errors="replace").splitlines():
-            if line.lower().startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+            key, _, value = line.partition(":")
+            if not line.strip():
+                break  # the first processor's block is enough
+            fields.setdefault(key.strip().lower(), value.strip())
+        cpu = fields.get("model name", "")
+        if cpu and "cpu family" in fields and "model" in fields:
+            cpu += f" (family {fields['cpu family']}, model {fields['model']})"
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     return Machine(
         cpu or platform.processor() or platform.machine(), os.cpu_count() or 1, torch.get_num_threads(), load

@@ -123,8 +123,8 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"Quality: {q['metric']} ({q['direction']}). A stage is kept when it improves the validation quality. "
         f"The saved model's interval: {q['interval_level']:.0%} of {BOOTSTRAP_DRAWS} resamples of the "
-        f"{t['held_out']} held-out texts (drawn with replacement) measure within it; the quality on other texts "
-        "like yours may differ by as much. "
+        f"{t['held_out']} held-out texts (drawn with replacement) measure within it: how much the figure depends "
+        "on which of your texts were held out. Other text, even from the same source, can differ by more. "
         f"Recovery: {rec['steps_run']} steps run (at most {rec['steps']} per learning rate tried: "
         f"{', '.join(f'{lr:g}' for lr in rec.get('lrs_tried', [])) or 'none'}), the weights of step "
         f"{rec['kept_step']} of the last try kept (0 = none helped). Speed: forward passes of the two models in "

@@ -68,12 +68,29 @@ def test_auto_routing_waits_for_a_hot_large_call_and_refuses_what_it_cannot_serv
         assert any("no backward" in r for r in cpu.why_not(prepare(q.requires_grad_(), k, v, mask=band)))
 
 
-def test_auto_routing_leaves_long_spans_to_blocked(monkeypatch):
-    """Where a query tile sees long_span keys or more on average (prefix-LM, causal, wide windows) ATen's
-    fused kernel beats the compiled template: auto routing leaves the call to blocked; a narrow band, or
-    a BlockMask of one, still compiles."""
+@pytest.mark.parametrize(("flex_s", "blocked_s", "winner"), [(2.0, 1.0, "blocked"), (1.0, 3.0, "flex")])
+def test_auto_routing_measures_long_spans_once_and_keeps_the_faster(monkeypatch, flex_s, blocked_s, winner):
+    """Where a query tile sees long_span keys or more on average (prefix-LM, causal, wide windows) which of
+    ATen's fused kernel (blocked) and the compiled template is faster depends on the CPU: the first hot call
+    compiles, runs both MEASURE_ROUNDS times and the faster serves that (function, shape) from then on. A
+    narrow band, or a BlockMask of one, compiles without a measurement."""
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
     monkeypatch.setattr(flex_cpu, "_TORCH", flex_cpu.VERIFIED)
+    now, calls = [0.0], {"flex": 0, "blocked": 0}
+
+    def entry_point():  # no compiler (nor flex's own compiled wrapper): the block mask's mask_mod, exactly;
+        def run(q, k, v, block_mask, scale, enable_gqa):  # the fake clock advances by each one's cost
+            now[0], calls["flex"] = now[0] + flex_s, calls["flex"] + 1
+            return mh.attention_reference(q, k, v, mask=block_mask.mask_mod).to(q.dtype)
+
+        return run
+
+    def blocked(call):
+        now[0], calls["blocked"] = now[0] + blocked_s, calls["blocked"] + 1
+        return backends.get("blocked")(call)[0]
+
+    monkeypatch.setattr(flex_cpu, "_entry_point", entry_point)
+    monkeypatch.setattr(flex_cpu, "_clock", lambda: now[0])
     q, k, v = (torch.randn(1, 2, 1024, 8) for _ in range(3))
     cpu = CpuFlex(min_scores=1, hot=1, long_span=384)
 
@@ -83,12 +100,28 @@ def test_auto_routing_leaves_long_spans_to_blocked(monkeypatch):
     def narrow(b, h, i, j):
         return (i - j < 16) & (j - i < 16)
 
-    deferral = cpu.defers(prepare(q, k, v, mask=causal))  # query tile t sees t + 1 tiles of 128 keys: 4.5
-    assert deferral is not None and deferral.to == "blocked"
-    assert "576 keys on average (>= 384)" in deferral.reason
-    assert cpu.defers(prepare(q, k, v, mask=narrow)) is None  # 2 or 3 tiles: 2.75 x 128 = 352 keys
-    user = flex_attention.create_block_mask(narrow, None, None, 1024, 1024, device="cpu")
-    assert cpu.defers(prepare(q, k, v, mask=user)) is None
+    call = prepare(q, k, v, mask=causal)  # query tile t sees t + 1 tiles of 128 keys: 576 keys on average
+    assert cpu.defers(call) is None  # not measured yet: this call compiles and measures
+    with torch.no_grad():
+        out = cpu(call, blocked)
+    torch.testing.assert_close(out, mh.attention_reference(q, k, v, mask=causal), rtol=1e-5, atol=1e-5)
+    rounds = flex_cpu.MEASURE_ROUNDS
+    assert calls == {"flex": 1 + rounds, "blocked": rounds}  # the call itself, then each measured in turn
+    deferral = cpu.defers(call)
+    if winner == "blocked":
+        assert deferral is not None and deferral.to == "blocked"
+        assert "576 keys on average (>= 384)" in deferral.reason and "1000.0 ms against" in deferral.reason
+    else:
+        assert deferral is None
+    with torch.no_grad():
+        cpu(call, blocked)  # measured once: never again
+    assert calls == {"flex": 2 + rounds, "blocked": rounds}
+    for short in (narrow, flex_attention.create_block_mask(narrow, None, None, 1024, 1024, device="cpu")):
+        c = prepare(q, k, v, mask=short)  # 2 or 3 tiles: 2.75 x 128 = 352 keys
+        assert cpu.defers(c) is None
+        with torch.no_grad():
+            cpu(c, blocked)
+    assert calls["blocked"] == rounds  # no measurement for short spans
 
 
 def test_the_registry_routes_small_cpu_calls_with_functions_as_before():

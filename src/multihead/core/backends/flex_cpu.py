@@ -4,10 +4,14 @@
 forward only). It skips the tiles a block mask lists as empty, runs the full ones unmasked and inlines the
 mask function in the partial ones -- one loop, where the ``blocked`` backend makes one ATen kernel call per
 block of queries with a materialised mask per span. For banded and block-sparse masks it is the faster of
-the two on the CPU (``benchmarks/results/flex_masks_cpu*``); where a query tile sees :data:`LONG_SPAN` keys
-or more on average (prefix-LM, causal, windows of 1,024 and wider) ATen's fused kernel over the long span
-is faster (blocked took 0.85-0.98x flex's time there, with AVX-512 and AVX2 kernels alike), so auto routing
-leaves those to ``blocked``. It has two costs, which this module bounds:
+the two on the CPU (``benchmarks/results/flex_masks_cpu*``). Where a query tile sees :data:`LONG_SPAN` keys
+or more on average (prefix-LM, causal, windows of 1,024 and wider) the answer depends on the CPU: on a Zen 4
+AMD EPYC ATen's fused kernel over the long span was faster (blocked took 0.85-0.98x flex's time, with
+AVX-512 and AVX2 kernels alike), on a Zen 5 one the compiled template (prefix-LM at L = 4,096: 111.6
+against 141.0 ms). So auto routing measures: the first hot call of such a (function, shape) compiles, runs
+both :data:`MEASURE_ROUNDS` times more, and the faster serves it from then on.
+
+It has two costs, which this module bounds:
 
 * **a compile** (seconds, once per mask function and shape): it serves only calls of more than
   :data:`MIN_SCORES` scores (B*H*Lq*Lk: where ``sdpa`` stops serving mask functions densely and ``blocked``
@@ -48,11 +52,13 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 import types
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -62,7 +68,7 @@ from ..masks.blocks import BlockMaskFunction, Blocks, refine, structure
 from ._common import DENSE_LIMIT
 from .base import AttentionCall, Deferral
 
-__all__ = ["CAPACITY", "COARSE", "HOT", "MIN_SCORES", "TILE", "CpuFlex"]
+__all__ = ["CAPACITY", "COARSE", "HOT", "LONG_SPAN", "MEASURE_ROUNDS", "MIN_SCORES", "TILE", "CpuFlex"]
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +81,9 @@ TILE = 64  # the small tile: queries and keys of one tile where it spares comput
 COARSE = 128  # ... else this one (FlexAttention's default): fewer tiles, less loop overhead
 SPARES = 0.95  # the small tile serves when it computes at most this share of the coarse tile's pairs
 CAPACITY = 32  # compiled (function, shape) entries kept
-LONG_SPAN = 2048  # mean keys a query tile sees at and above which auto routing leaves a call to blocked
+LONG_SPAN = 2048  # mean keys a query tile sees at and above which the two are measured on the first hot call
+MEASURE_ROUNDS = 2  # calls of each (the fastest counts) when a long span is measured
+_clock = time.perf_counter  # what measures them (tests put a fake one here)
 
 
 @dataclass
@@ -90,6 +98,7 @@ class _Entry:
     made_from: tuple = ()  # (structure or BlockMask, table versions) its block mask was made from
     run: Callable[..., Tensor] | None = None
     failed: str | None = None
+    measured: dict[str, float] | None = None  # long spans: seconds per call of "flex" and "blocked", once
 
 
 _MADE = itertools.count(1)  # entry points made: each gets a name (and code object) of its own
@@ -195,13 +204,19 @@ class CpuFlex:
             return Deferral("blocked", f"seen {entry.seen} < {self.hot} times: compiled once it repeats")
         if entry.block_mask is None and self._block_mask(call, entry) is None:
             return Deferral("blocked", "the mask function's tile structure cannot be bounded")
-        if entry.span >= self.long_span:
+        if (
+            entry.span >= self.long_span
+            and entry.measured is not None
+            and _faster(entry.measured) == "blocked"
+        ):
+            f, b = entry.measured["flex"], entry.measured["blocked"]
             return Deferral(
                 "blocked",
-                f"its query tiles see {entry.span:.0f} keys on average (>= {self.long_span}): blocked's "
-                "fused kernel runs such long spans faster than the compiled template",
+                f"its query tiles see {entry.span:.0f} keys on average (>= {self.long_span}), and on this CPU "
+                f"blocked's fused kernel ran it in {b * 1e3:.1f} ms against the compiled template's "
+                f"{f * 1e3:.1f} ms",
             )
-        return None
+        return None  # a long span not yet measured: this call compiles, and measures both (__call__)
 
     def __call__(self, call: AttentionCall, fallback: Callable[[AttentionCall], Tensor] | None) -> Tensor:
         """(B, H, Lq, D) through the compiled kernel; ``fallback(call)`` answers when compiling fails
@@ -216,9 +231,13 @@ class CpuFlex:
         try:
             if entry.run is None:
                 entry.run = _entry_point()
-            return entry.run(
-                call.q, call.k, call.v, block_mask, call.scale, call.k.shape[1] != call.q.shape[1]
-            )  # (B, H, Lq, D)
+            run = partial(
+                entry.run, call.q, call.k, call.v, block_mask, call.scale, call.k.shape[1] != call.q.shape[1]
+            )
+            out = run()  # (B, H, Lq, D)
+            if entry.span >= self.long_span and entry.measured is None and fallback is not None:
+                entry.measured = _measure({"flex": run, "blocked": partial(fallback, call)})
+            return out
         except Exception as err:  # a compiler or tracer failure: the fallback answers, noted once
             if fallback is None:
                 raise
@@ -288,6 +307,24 @@ class CpuFlex:
         if coarse.block_q == self.tile and coarse.block_k == self.tile:
             return None
         return structure(inner, target, self.tile, self.tile)  # type: ignore[arg-type]
+
+
+def _measure(contenders: dict[str, Callable[[], object]], rounds: int = MEASURE_ROUNDS) -> dict[str, float]:
+    """Seconds per call of each contender: the fastest of ``rounds`` calls, in alternating order (each warm:
+    ``blocked`` served the call's first sightings, ``flex`` has just compiled and run)."""
+    best = dict.fromkeys(contenders, float("inf"))
+    names = list(contenders)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            start = _clock()
+            contenders[name]()
+            best[name] = min(best[name], _clock() - start)
+    log.debug("compiled flex on the CPU, a long span measured: %s", best)
+    return best
+
+
+def _faster(measured: dict[str, float]) -> str:
+    return min(measured, key=measured.__getitem__)
 
 
 def _source(call: AttentionCall) -> object:

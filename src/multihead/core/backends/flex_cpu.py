@@ -235,9 +235,6 @@ class CpuFlex:
                 entry.run, call.q, call.k, call.v, block_mask, call.scale, call.k.shape[1] != call.q.shape[1]
             )
             out = run()  # (B, H, Lq, D)
-            if entry.span >= self.long_span and entry.measured is None and fallback is not None:
-                entry.measured = _measure({"flex": run, "blocked": partial(fallback, call)})
-            return out
         except Exception as err:  # a compiler or tracer failure: the fallback answers, noted once
             if fallback is None:
                 raise
@@ -252,6 +249,9 @@ class CpuFlex:
                 stacklevel=2,
             )
             return fallback(call)
+        if entry.span >= self.long_span and entry.measured is None and fallback is not None:
+            entry.measured = _measure({"flex": run, "blocked": partial(fallback, call)})  # outside the try:
+        return out  # a failure of blocked's is not the compiler's
 
     # ------------------------------------------------------------------------------------------
 

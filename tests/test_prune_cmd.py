@@ -24,6 +24,7 @@ from multihead.bench.measure import Settings  # noqa: E402
 from multihead.commands import model_dir  # noqa: E402
 from multihead.commands import prune as P  # noqa: E402
 from multihead.commands.prune import command as C  # noqa: E402
+from multihead.commands.prune import objectives  # noqa: E402
 from multihead.integrations import transformers as mhtf  # noqa: E402
 from multihead.testing import minilm_dir  # noqa: E402
 
@@ -160,6 +161,13 @@ def test_embedding_quality_over_picked_texts_leaves_out_a_text_paired_with_itsel
     assert drawn == pytest.approx(by_hand([(0, 1), (0, 3), (0, 1), (0, 3), (1, 3)]))
 
 
+def test_bootstrap_draws_shrink_with_the_pairs_they_rank():
+    embedding, lm = P.Embedding(), P.MaskedLM()
+    assert embedding.draws(50) == 200 == lm.draws(50) == lm.draws(5000)  # a perplexity is linear in texts
+    assert embedding.draws(500) == 20_000_000 // (500 * 499 // 2) < 200
+    assert embedding.draws(1000) == embedding.draws(5000) == 50  # never fewer
+
+
 def test_bootstrap_interval_brackets_the_quality_and_is_repeatable():
     gen = torch.Generator().manual_seed(1)
     ref = torch.randn(40, 16, generator=gen)
@@ -283,6 +291,8 @@ def test_spearman_and_ranks():
     assert P.spearman(torch.tensor([1.0, 2, 3]), torch.tensor([3.0, 2, 1])) == pytest.approx(-1.0)
     # ties take their average rank: ranks (0, 1.5, 1.5, 3) against (0, 1, 2, 3)
     assert P.spearman(torch.tensor([1.0, 2, 2, 4]), torch.tensor([1.0, 2, 3, 4])) == pytest.approx(0.9486833)
+    unsorted = torch.tensor([3.0, 1, 3, 2, 1, 5], dtype=torch.float64)  # two runs of ties, out of order
+    assert objectives._ranks(unsorted).tolist() == [3.5, 0.5, 3.5, 2.0, 0.5, 5.0]  # scipy's rankdata - 1
 
 
 @pytest.mark.parametrize("n", [20, 50, 100, 1000])

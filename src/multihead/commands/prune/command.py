@@ -272,6 +272,7 @@ def _report(
             "final": final["held_out"],
             "final_interval": list(stages.interval(model)),
             "interval_level": INTERVAL_LEVEL,
+            "interval_draws": job.objective.draws(len(s.held_out)),
             "final_stage": final["stage"],
         },
         "speed": speed(

@@ -14,7 +14,7 @@ from ...bench.measure import Settings
 from ...bench.pair import time_pair
 from ...progress import Progress
 from ..training import markdown_table
-from .objectives import BOOTSTRAP_DRAWS, Objective, make_batches
+from .objectives import Objective, make_batches
 
 __all__ = ["markdown", "save", "speed"]
 
@@ -122,7 +122,7 @@ def markdown(report: dict[str, Any]) -> str:
         markdown_table(_stage_rows(q)),
         "",
         f"Quality: {q['metric']} ({q['direction']}). A stage is kept when it improves the validation quality. "
-        f"The saved model's interval: {q['interval_level']:.0%} of {BOOTSTRAP_DRAWS} resamples of the "
+        f"The saved model's interval: {q['interval_level']:.0%} of {q['interval_draws']} resamples of the "
         f"{t['held_out']} held-out texts (drawn with replacement) measure within it: how much the figure depends "
         "on which of your texts were held out. Other text, even from the same source, can differ by more. "
         f"Recovery: {rec['steps_run']} steps run (at most {rec['steps']} per learning rate tried: "

@@ -314,13 +314,7 @@ class Embedding(Objective):
     def quality_of(self, scores: Tensor, reference: Tensor, pick: Tensor | None = None) -> float:
         """Spearman of the pairwise cosine similarities of ``scores`` (N, E) against ``reference``'s, over the
         pairs of distinct texts among ``pick`` (None: every text)."""
-        if pick is None:
-            pick = torch.arange(len(scores))
-        i, j = torch.triu_indices(len(pick), len(pick), offset=1)
-        distinct = pick[i] != pick[j]  # a text drawn twice is not a pair
-        i, j = pick[i[distinct]], pick[j[distinct]]
-        z, r = F.normalize(scores, dim=-1), F.normalize(reference, dim=-1)
-        return spearman((z @ z.T)[i, j], (r @ r.T)[i, j])  # (N, N) each, never (P, E)
+        return spearman(pair_similarities(scores, pick), pair_similarities(reference, pick))
 
 
 OBJECTIVES: dict[str, type[Objective]] = {
@@ -443,8 +437,13 @@ def spearman(a: Tensor, b: Tensor) -> float:
     return float((ra @ rb).item() / denom) if denom > 0 else float("nan")
 
 
-def pair_similarities(emb: Tensor) -> Tensor:
-    """Cosine similarity of every pair of rows of ``emb`` (N, E) -> (P,) (upper triangle, row-major)."""
+def pair_similarities(emb: Tensor, pick: Tensor | None = None) -> Tensor:
+    """Cosine similarity of every pair of rows of ``emb`` (N, E) -> (P,) (upper triangle, row-major); with
+    ``pick`` (indices, repeats allowed: a bootstrap draw), of every pair of positions of ``pick`` that name
+    distinct rows. Read from the (N, N) Gram matrix, never a (P, E) tensor."""
+    if pick is None:
+        pick = torch.arange(len(emb))
+    i, j = torch.triu_indices(len(pick), len(pick), offset=1)
+    distinct = pick[i] != pick[j]  # a row drawn twice is not a pair
     z = F.normalize(emb, dim=-1)
-    i, j = torch.triu_indices(len(emb), len(emb), offset=1)
-    return (z[i] * z[j]).sum(-1)  # (P,)
+    return (z @ z.T)[pick[i[distinct]], pick[j[distinct]]]  # (P,)

@@ -10,6 +10,7 @@ softcap/sinks the gold is :func:`multihead.attention_reference` on the dense mas
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -233,10 +234,13 @@ SEGMENTS = {
 }  # fmt: skip
 
 
+@pytest.mark.parametrize("inference", [False, True], ids=["grad", "no-grad"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("extra", ["causal", "window", "alibi", "softcap-sinks", "none"])
 @pytest.mark.parametrize("layout", list(SEGMENTS))
-def test_segments(layout, extra, dtype):
+def test_segments(layout, extra, dtype, inference):
+    """Both ways out of the varlen path: pieces joined by ``cat`` (autograd on) and written into one
+    buffer (no grad), gaps and ids without keys included."""
     qid, kid = SEGMENTS[layout]
     kid = qid if kid is None else kid
     qid, kid = qid.expand(2, -1).clone(), kid.expand(2, -1).clone()
@@ -253,8 +257,9 @@ def test_segments(layout, extra, dtype):
         ),
         "none": {},
     }[extra]
-    for backend in (DEFAULT, SMALL):
-        _check(backend, q, k, v, segments=(qid, kid), **kwargs)
+    with torch.no_grad() if inference else contextlib.nullcontext():
+        for backend in (DEFAULT, SMALL):
+            _check(backend, q, k, v, segments=(qid, kid), **kwargs)
 
 
 def test_segments_dead_rows_are_zero():

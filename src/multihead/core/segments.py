@@ -230,7 +230,8 @@ def packed_runs(q_ids: Tensor, kv_ids: Tensor) -> list[list[Run]] | None:
     """For segment ids q_ids (B, Lq), kv_ids (B, Lk): per batch row, the (q start, q end, k start, k end)
     of every id present on both sides, in query order; ``None`` unless every id forms one contiguous run
     on each side (the packed layout). Negative ids (padding) form no run."""
-    qr, kr = _runs(q_ids), _runs(kv_ids)
+    qr = _runs(q_ids)
+    kr = qr if kv_ids is q_ids else _runs(kv_ids)  # self-attention: one pass over the ids (a host sync)
     if qr is None or kr is None:
         return None
     return [

@@ -59,7 +59,8 @@ TARGETS = {"0.25": 0.99, "0.5": 0.97}  # external held-out Spearman of the saved
 SPEEDUP_TARGET = 1.15  # at --heads 0.5, 32 texts x 128 tokens
 SECONDS_TARGET = 180.0
 REAL = ("licences", "package-docs")
-STAGES = ("pruned", "refit", "reconstructed", "recovered")
+STAGES = prune.STAGES  # the command's stages, in order
+STAGE_LABELS = dict(zip(STAGES, ("pruned", "+ refit", "+ reconstruction", "+ recovery"), strict=True))
 
 
 def long_inputs(tokenizer: T.PreTrainedTokenizerBase, texts: list[str], batch: int = 32, length: int = 128):
@@ -206,7 +207,7 @@ def _by_stage(records: list[dict]) -> str:
 
 def markdown(res: dict) -> str:
     """The results as markdown: the per-corpus table, stage by stage, and the speed."""
-    rows = [["corpus", "--heads", "lines (cal. / ext.)", "pruned", "+ refit", "+ reconstruction", "+ recovery", "saved: command's held-out (its 90% interval)", "saved, external held-out (target)",
+    rows = [["corpus", "--heads", "lines (cal. / ext.)", *STAGE_LABELS.values(), "saved: command's held-out (its 90% interval)", "saved, external held-out (target)",
              "recovery steps run / kept (learning rates tried)", "command time", "of which, by stage"]]  # fmt: skip
     for (corpus, frac), rs in _group(res["records"]).items():
         stage = {s: [next(x for x in r["stages"] if x["stage"] == s)["held_out"] for r in rs] for s in STAGES}

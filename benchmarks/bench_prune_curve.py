@@ -34,11 +34,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE / "data"))
 import corpora  # noqa: E402  (benchmarks/data/corpora.py)
-from bench_prune import TARGETS, prune_lines  # noqa: E402
+from bench_prune import STAGE_LABELS, TARGETS, prune_lines  # noqa: E402
 
 RESULTS = HERE / "results"
 CORPUS = "all-package-docs"
-LABELS = {"refit": "+ refit", "reconstructed": "+ reconstruction", "recovered": "+ recovery"}
 HALVINGS = 4  # the points: all the calibration lines, half of them, a quarter, an eighth
 
 
@@ -52,7 +51,7 @@ def run_one(calibration: list[str], held: list[str], frac: str, n: int) -> dict:
 
 def markdown(res: dict) -> str:
     stages = [s["stage"] for s in res["records"][0]["stages"]]  # the stages of the pipeline that ran
-    rows = [["--heads", "calibration lines", *(LABELS.get(s, s) for s in stages),
+    rows = [["--heads", "calibration lines", *(STAGE_LABELS.get(s, s) for s in stages),
              "saved, external held-out", "command time"]]  # fmt: skip
     for r in res["records"]:
         stage = {s["stage"]: s for s in r["stages"]}

@@ -442,6 +442,11 @@ def test_minilm_end_to_end(minilm_pruned):
         ours, theirs = P.embed(model, batch), P.embed(original, batch)
     q = P.spearman(P.pair_similarities(ours), P.pair_similarities(theirs))
     assert q == pytest.approx(saved["quality"]["final"], abs=1e-5)
+    # and its interval: the saved model's scores, in the command's order of the held-out texts (seed 0 + 1)
+    batch = P.make_batches(P.encode(tok, held, 512, False), tok, P.Embedding(), 16, 1)[0]
+    with torch.no_grad():
+        ours, theirs = P.embed(model, batch), P.embed(original, batch)
+    assert P.Embedding().interval(ours, theirs, level=0.9) == pytest.approx((lo, hi), abs=1e-4)
 
 
 def test_pruned_encoder_loads_into_the_task_class(minilm_pruned):

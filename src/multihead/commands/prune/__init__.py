@@ -41,7 +41,7 @@ from .choose import (
     choose_compensable,
     compensable_heads,
 )
-from .command import Job, Stages, options_from, prepare, run
+from .command import STAGES, Job, Stages, options_from, prepare, run
 from .inputs import (
     DEFAULT_RECONSTRUCT,
     DEFAULT_RECOVER,
@@ -112,6 +112,7 @@ __all__ = [
     "FEW_PRUNED_LRS",
     "RECOVERY_LRS",
     "Recovery",
+    "STAGES",
     "Seq2Seq",
     "Splits",
     "Stages",

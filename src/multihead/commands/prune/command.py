@@ -39,11 +39,15 @@ from .recover import Recovery, recover
 from .refit import feed_forward_sums, refit_layers
 from .report import markdown, save, speed
 
-__all__ = ["Job", "Stages", "options_from", "prepare", "run"]
+__all__ = ["STAGES", "Job", "Stages", "options_from", "prepare", "run"]
 
 Echo = Callable[[str], None]
 
 INTERVAL_LEVEL = 0.9  # of the bootstrap interval the report gives the saved model's held-out quality
+
+STAGES = ("pruned", "refit", "reconstructed", "recovered")
+"""The command's stages in the order they run: the ``stage`` of each row of the report's quality table."""
+PRUNED, REFIT, RECONSTRUCTED, RECOVERED = STAGES
 
 
 @dataclass
@@ -125,6 +129,7 @@ class Stages:
         self.sets = {k: (job.batches[k], job.objective.reference(original, job.batches[k])) for k in
                      ("validation", "held_out")}  # fmt: skip
         self.rows: list[dict[str, Any]] = []
+        self.held_out_scores: list[Any] = []  # per row: its model's held-out scores (for the interval)
         self.clock = time.perf_counter()  # when the stage being made began
 
     def validate(self, model: nn.Module) -> float:
@@ -135,7 +140,8 @@ class Stages:
     def measure(self, stage: str, model: nn.Module, *, kept: bool | None = None, note: str = "") -> None:
         """Measure ``model`` as stage ``stage``; ``kept=None``: kept if it improves the validation quality
         on the last kept stage. The row's ``seconds``: making and measuring the stage (since the last one)."""
-        q = {k: self.objective.quality(model, ref, b) for k, (b, ref) in self.sets.items()}
+        scores = {k: self.objective.scores(model, b) for k, (b, _) in self.sets.items()}
+        q = {k: self.objective.quality_of(scores[k], ref) for k, (_, ref) in self.sets.items()}
         if kept is None:
             good = self.objective.goodness
             kept = good(q["validation"]) > good(self.last_kept()["validation"])
@@ -145,17 +151,20 @@ class Stages:
             {"stage": stage, "held_out": q["held_out"], "validation": q["validation"], "kept": kept,
              "seconds": now - began}
         )  # fmt: skip
+        self.held_out_scores.append(scores["held_out"])
         self.echo(
             f"{stage}: held-out {self.objective.metric} {q['held_out']:.4f} (validation {q['validation']:.4f})"
             + ("" if kept else ", not kept: it did not improve the validation quality")
             + (f"; {note}" if note else "")
         )
 
-    def interval(self, model: nn.Module) -> tuple[float, float]:
-        """A 90% bootstrap interval of ``model``'s held-out quality over the held-out texts
-        (:meth:`~.objectives.Objective.interval`)."""
-        batches, ref = self.sets["held_out"]
-        return self.objective.interval(self.objective.scores(model, batches), ref, level=INTERVAL_LEVEL)
+    def interval(self) -> tuple[float, float]:
+        """A 90% bootstrap interval of the last kept stage's held-out quality over the held-out texts
+        (:meth:`~.objectives.Objective.interval`), from the scores its measurement took."""
+        last = next(i for i in range(len(self.rows) - 1, -1, -1) if self.rows[i]["kept"])
+        return self.objective.interval(
+            self.held_out_scores[last], self.sets["held_out"][1], level=INTERVAL_LEVEL
+        )
 
     def last_kept(self) -> dict[str, Any]:
         """The last stage kept (its model is the one saved)."""
@@ -179,7 +188,7 @@ def _refit(
         refit_layers(
             candidate, original, batches, job.objective, list(removed), progress=lambda: bar.update(1)
         )
-    stages.measure("refit", candidate)
+    stages.measure(REFIT, candidate)
     return candidate if stages.rows[-1]["kept"] else pruned
 
 
@@ -199,7 +208,7 @@ def _reconstruct(
             candidate, job.loaded.model, job.batches["refit"], job.batches["validation"], job.objective,
             list(removed), steps=job.reconstruct, seed=opts.seed, progress=lambda: bar.update(1),
         )  # fmt: skip
-    stages.measure("reconstructed", candidate)
+    stages.measure(RECONSTRUCTED, candidate)
     errors_lists = {k: list(v) for k, v in errors.items()}
     if not stages.rows[-1]["kept"]:
         return model, errors_lists
@@ -221,7 +230,7 @@ def _recover(job: Job, opts: Options, model: nn.Module, stages: Stages) -> Recov
         )  # fmt: skip
     model.eval()
     stages.measure(
-        "recovered",
+        RECOVERED,
         model,
         kept=rec.kept_step > 0,
         note=f"{len(rec.losses)} steps run (learning rate {', '.join(f'{lr:g}' for lr in rec.lrs)}), step "
@@ -270,7 +279,7 @@ def _report(
             "stages": stages.rows,
             "after_prune": stages.rows[0]["held_out"],
             "final": final["held_out"],
-            "final_interval": list(stages.interval(model)),
+            "final_interval": list(stages.interval()),
             "interval_level": INTERVAL_LEVEL,
             "interval_draws": job.objective.draws(len(s.held_out)),
             "final_stage": final["stage"],
@@ -304,7 +313,7 @@ def run(opts: Options, *, echo: Echo = print) -> dict[str, Any]:
     _batch(job, opts)
     stages = Stages(job, echo)
     pruned, removed = _prune(job, opts)
-    stages.measure("pruned", pruned, kept=True)
+    stages.measure(PRUNED, pruned, kept=True)
     model = _refit(job, opts, pruned, removed, stages)
     model, errors = _reconstruct(job, opts, model, removed, stages)
     rec = _recover(job, opts, model, stages)

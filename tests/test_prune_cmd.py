@@ -688,3 +688,45 @@ def test_a_kept_reconstruction_shortens_the_default_recovery(tmp_path, folders, 
     assert report["recovery"]["steps"] == (P.DEFAULT_RECOVER_RECONSTRUCTED if kept else P.DEFAULT_RECOVER)
     explicit = options(folders["masked-lm"], lines, tmp_path / "out2", recover=3, reconstruct=2)
     assert P.run(explicit, echo=lambda _: None)["recovery"]["steps"] == 3  # --recover given: it holds
+
+
+class _Noisy(torch.nn.Module):
+    """A toy encoder: each token's id looked up in a fixed table, plus ``noise`` times a fixed perturbation
+    (the original is ``noise=0``; more noise, lower quality)."""
+
+    def __init__(self, noise: float) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.table, self.shift, self.noise = (
+            torch.randn(50, 8, generator=g),
+            torch.randn(50, 8, generator=g),
+            noise,
+        )
+
+    def forward(self, input_ids, attention_mask):
+        return dataclasses.make_dataclass("Out", ["last_hidden_state"])(
+            self.table[input_ids] + self.noise * self.shift[input_ids]
+        )
+
+
+def test_stages_interval_is_the_last_kept_stages():
+    """The report's interval is the last kept stage's: its held-out scores as that stage's measurement took
+    them, never another stage's (an unkept stage after it, nor the first)."""
+    g = torch.Generator().manual_seed(1)
+    batch = lambda n: objectives.Batch({"input_ids": torch.randint(50, (n, 6), generator=g),  # noqa: E731
+                                        "attention_mask": torch.ones(n, 6, dtype=torch.long)})  # fmt: skip
+    job = dataclasses.make_dataclass("J", ["objective", "loaded", "batches"])(
+        P.Embedding(),
+        dataclasses.make_dataclass("L", ["model"])(_Noisy(0.0)),
+        {"validation": [batch(12)], "held_out": [batch(12), batch(12)]},
+    )
+    stages = C.Stages(job, echo=lambda _: None)
+    held = job.batches["held_out"]
+    want = {}
+    for stage, noise, kept in (("pruned", 2.0, True), ("refit", 0.5, None), ("recovered", 1.5, None)):
+        model = _Noisy(noise)
+        stages.measure(stage, model, kept=kept)
+        want[stage] = job.objective.interval(job.objective.scores(model, held), stages.sets["held_out"][1])
+    assert [r["kept"] for r in stages.rows] == [True, True, False]  # recovered: worse than refit
+    assert want["refit"] != want["pruned"] and want["refit"] != want["recovered"]
+    assert stages.interval() == want["refit"]

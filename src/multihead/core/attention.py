@@ -12,6 +12,7 @@ Order of operations: scale -> softcap -> + bias -> masks -> softmax (sinks in th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -375,8 +376,22 @@ def attention_reference(
     return reference_with(q, k, v, options)
 
 
-def reference_with(q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions) -> Tensor | AttentionOutput:
-    """:func:`attention_reference` with its options as one record."""
+Visit = Callable[[str, Tensor], Tensor]
+"""``visit(point, tensor) -> tensor``: called by :func:`reference_with` at ``"scores"`` and ``"pattern"``; what it
+returns replaces the tensor for everything downstream (return the tensor itself to only read it)."""
+
+
+def reference_with(
+    q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions, visit: Visit | None = None
+) -> Tensor | AttentionOutput:
+    """:func:`attention_reference` with its options as one record.
+
+    ``visit`` (the inspection seam's explicit path, :mod:`multihead.lens`): called with
+    ``("scores", (B, H, Lq, Lk))`` -- the logits after scale, softcap and bias, ``-inf`` where a mask forbids
+    the key (a row with no allowed key is all ``-inf``) -- and then with ``("pattern", (B, H, Lq, Lk))``, the
+    softmax weights before dropout; each returned tensor replaces the one given. Keys whose edited score is
+    ``-inf`` are not attended, and a row with none left gives 0, exactly as for masks.
+    """
     mask, bias, valid_lens, causal = options.mask, options.bias, options.valid_lens, options.causal
     segment_ids, softcap, sinks, scale = options.segment_ids, options.softcap, options.sinks, options.scale
     dropout, return_weights = options.dropout, options.return_weights
@@ -418,8 +433,11 @@ def reference_with(q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions) -
         scores = scores + bias
         allowed = allowed & ~torch.isneginf(bias)
 
-    row_ok = allowed.any(dim=-1, keepdim=True)  # (B, H, Lq, 1)
     scores = scores.masked_fill(~allowed, float("-inf"))
+    if visit is not None:
+        scores = visit("scores", scores)  # (B, H, Lq, Lk)
+        allowed = scores != float("-inf")  # an edit may open or close keys
+    row_ok = allowed.any(dim=-1, keepdim=True)  # (B, H, Lq, 1)
     scores = scores.masked_fill(~row_ok, 0.0)  # a dead row: finite scores, zeroed below
     if sinks is None:
         weights = torch.softmax(scores, dim=-1)  # (B, H, Lq, Lk)
@@ -427,6 +445,8 @@ def reference_with(q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions) -
         sink = sinks.view(1, h, 1, 1).expand(b, h, lq, 1)  # (B, H, Lq, 1)
         weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :lk]  # (B, H, Lq, Lk)
     weights = weights * row_ok
+    if visit is not None:
+        weights = visit("pattern", weights)  # (B, H, Lq, Lk)
     dropped = torch.nn.functional.dropout(weights, p=dropout) if dropout > 0 else weights
     out = torch.matmul(dropped, v)  # (B, H, Lq, Dv)
     return AttentionOutput(out, weights) if return_weights else out

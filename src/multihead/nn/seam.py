@@ -29,6 +29,19 @@ torch.compile reads it through ``property(ContextVar.get)``, whose getter is C c
 a property as a value and guards on it, so compiled code re-checks the calling thread's (and task's)
 stack on every call and recompiles when it changes; with no block open it traces no inspection at all.
 
+**Points.** An inspector may also read or replace the tensors *inside* the call (:mod:`multihead.lens` is
+built on this): its ``points`` name which of ``"q"``, ``"k"``, ``"v"`` (as the attention function gets them:
+after the projections, rotary and the KV cache; k/v with Hkv heads), ``"scores"`` (the logits after scale,
+softcap and bias, ``-inf`` where masked) and ``"pattern"`` (the softmax weights) it wants, and
+``on_point(module, point, tensor)`` gets each of them, outermost inspector first, and returns a replacement
+or None. ``z``, each head's output, is what ``on_heads`` already gets. With no inspector asking for a point,
+nothing of this runs. q, k and v are visited before the module's attention function is called, so any
+function sees the edits; ``scores`` and ``pattern`` exist only on the explicit path
+(:func:`multihead.core.attention.reference_with` with a visitor), so a call that asks for them is routed
+there -- the module's own backend is skipped for that call, said once per module class -- and refused by name
+where the module's attention function is not :func:`multihead.attention` (ring attention, a user's
+function: the scores are inside it).
+
 An attention function may carry ``sharded = True``: its inputs are one rank's shards of the sequences
 (ring attention). A module whose positions are per call (rotary embeddings, a KV cache) cannot use such a
 function, and :func:`check_positions` says so.
@@ -36,6 +49,7 @@ function, and :func:`check_positions` says so.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -43,10 +57,19 @@ from typing import Any, Protocol
 
 from torch import Tensor, nn
 
-from ..core.attention import attention, attention_with, output_and_weights, unmasked_attention
-from ..core.options import AttentionFn, AttentionOptions, call_attention_fn, options_of
+from ..core.attention import (
+    attention,
+    attention_with,
+    output_and_weights,
+    reference_with,
+    unmasked_attention,
+)
+from ..core.options import AttentionFn, AttentionOptions, AttentionOutput, call_attention_fn, options_of
 
 __all__ = [
+    "INNER_POINTS",
+    "INPUT_POINTS",
+    "POINTS",
     "AttentionFn",
     "AttentionOptions",
     "Inspector",
@@ -82,6 +105,21 @@ def _stack() -> tuple[Inspector, ...]:
     return () if stack is _HOLDER else stack
 
 
+INPUT_POINTS = ("q", "k", "v")
+"""Points an inspector's ``on_point`` gets before the attention function runs (any function sees the edits)."""
+INNER_POINTS = ("scores", "pattern")
+"""Points that exist only on the explicit path (:func:`~multihead.core.attention.reference_with`)."""
+POINTS = (*INPUT_POINTS, *INNER_POINTS)
+"""Every point ``Inspector.points`` may name, in the order a call reaches them (``z``: ``on_heads``)."""
+
+
+def _wants_points(inspectors: tuple[Inspector, ...]) -> bool:
+    for inspector in inspectors:
+        if inspector.points:
+            return True
+    return False
+
+
 def _wants_weights(inspectors: tuple[Inspector, ...]) -> bool:
     for inspector in inspectors:
         if inspector.wants_weights:
@@ -90,9 +128,19 @@ def _wants_weights(inspectors: tuple[Inspector, ...]) -> bool:
 
 
 class Inspector:
-    """Base class: override :meth:`on_heads`. ``wants_weights`` makes every module compute weights."""
+    """Base class: override :meth:`on_heads`. ``wants_weights`` makes every module compute weights.
+
+    ``points`` (a subset of :data:`POINTS`) makes :func:`attend` call :meth:`on_point` with each of them.
+    """
 
     wants_weights: bool = False
+    points: frozenset[str] = frozenset()
+
+    def on_point(self, module: nn.Module, point: str, tensor: Tensor) -> Tensor | None:
+        """``point`` one of ``self.points``: ``"q"`` (B, H, Lq, Dk), ``"k"`` (B, Hkv, Lk, Dk), ``"v"``
+        (B, Hkv, Lk, Dv), ``"scores"`` or ``"pattern"`` (B, H, Lq, Lk). Return a tensor of the same shape to
+        replace it downstream, or None to leave it (as the inspectors before this one left it)."""
+        return None
 
     def on_heads(self, module: nn.Module, heads: Tensor, weights: Tensor | None) -> Tensor:
         """``heads`` (B, H, Lq, Dv) before merging, ``weights`` (B, H, Lq, Lk) or None; return heads.
@@ -210,6 +258,16 @@ def check_positions(module: nn.Module, fn: AttentionFn, *, rotary: bool, cache: 
         )
 
 
+def _compute(
+    fn: AttentionFn, q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions, backend: str
+) -> Tensor | AttentionOutput:
+    """The module's attention function on the call; the default takes the record as it is (no keywords
+    unpacked and packed again)."""
+    if fn is attention:
+        return attention_with(q, k, v, options, backend)
+    return call_attention_fn(fn, q, k, v, options, backend)
+
+
 def attend(
     module: AttentionModule,
     q: Tensor,
@@ -232,17 +290,91 @@ def attend(
     """
     options = options_of(options, keywords)
     inspectors = _stack()  # outermost first; () in the normal case
+    if inspectors and _wants_points(inspectors):
+        return _attend_points(module, q, k, v, options, inspectors)
     asked = options.return_weights
     if not asked and _wants_weights(inspectors):
         options = options.replace(return_weights=True)
     # a module of another library (a Hugging Face attention module) carries neither: the defaults
-    fn = attention_fn_of(module)
-    backend = _read(module, "backend", "auto")
-    if fn is attention:  # the default takes the record as it is (no keywords unpacked and packed again)
-        res = attention_with(q, k, v, options, backend)
-    else:
-        res = call_attention_fn(fn, q, k, v, options, backend)
+    res = _compute(attention_fn_of(module), q, k, v, options, _read(module, "backend", "auto"))
     heads, weights = output_and_weights(res)  # (B, H, Lq, Dv), (B, H, Lq, Lk) | None
     for inspector in inspectors:  # each sees the heads the inspectors before it left
+        heads = inspector.on_heads(module, heads, weights)  # type: ignore[arg-type]
+    return heads, (weights if asked else None)
+
+
+def _visit(module: object, inspectors: tuple[Inspector, ...], point: str, tensor: Tensor) -> Tensor:
+    """``tensor`` after every inspector that asks for ``point`` read or replaced it, outermost first."""
+    for inspector in inspectors:
+        if point in inspector.points:
+            new = inspector.on_point(module, point, tensor)  # type: ignore[arg-type]
+            if new is not None:
+                if not isinstance(new, Tensor) or new.shape != tensor.shape:
+                    got = tuple(new.shape) if isinstance(new, Tensor) else type(new).__name__
+                    raise ValueError(
+                        f"{type(inspector).__name__}.on_point returned {got} for point {point!r} of "
+                        f"{type(module).__name__}; expected a tensor of shape {tuple(tensor.shape)} (or None "
+                        f"to leave it)"
+                    )
+                tensor = new
+    return tensor
+
+
+_ROUTED: set[tuple[type, str]] = set()  # (module class, backend) already told that points reroute its call
+
+
+def _explicit_path(module: object, fn: AttentionFn, backend: str) -> None:
+    """Refuse (by name) a module whose attention function hides its scores; say once per module class and
+    backend that its calls with scores or pattern asked take the explicit path."""
+    if fn is not attention:
+        name = getattr(fn, "__qualname__", type(fn).__name__)
+        raise ValueError(
+            f"the points 'scores' and 'pattern' of {type(module).__name__} cannot be read: its attention_fn "
+            f"is {name}, not multihead.attention, and computes them inside itself (ring attention, a user's "
+            f"function); ask for q, k, v, z or result there, or run the module with the default attention_fn"
+        )
+    key = (type(module), backend)
+    if key not in _ROUTED:
+        _ROUTED.add(key)
+        warnings.warn(
+            f"multihead: calls of {type(module).__name__} that read or edit 'scores' or 'pattern' run on the "
+            f"explicit path (multihead.attention_reference's formulation) instead of backend {backend!r}; "
+            f"the same values, without a fused kernel (said once per module class)",
+            stacklevel=4,
+        )
+
+
+def _attend_points(
+    module: AttentionModule,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    options: AttentionOptions,
+    inspectors: tuple[Inspector, ...],
+) -> tuple[Tensor, Tensor | None]:
+    """:func:`attend` where an inspector asks for points: q, k, v visited before the attention function,
+    scores and pattern on the explicit path when asked for, then ``on_heads`` as always."""
+    q = _visit(module, inspectors, "q", q)  # (B, H, Lq, Dk)
+    k = _visit(module, inspectors, "k", k)  # (B, Hkv, Lk, Dk)
+    v = _visit(module, inspectors, "v", v)  # (B, Hkv, Lk, Dv)
+    asked = options.return_weights
+    fn = attention_fn_of(module)
+    backend = _read(module, "backend", "auto")
+    inner = any(point in i.points for i in inspectors for point in INNER_POINTS)
+    if inner:
+        _explicit_path(module, fn, backend)
+        res = reference_with(
+            q,
+            k,
+            v,
+            options.replace(return_weights=True),
+            lambda point, tensor: _visit(module, inspectors, point, tensor),
+        )
+    else:
+        if not asked and _wants_weights(inspectors):
+            options = options.replace(return_weights=True)
+        res = _compute(fn, q, k, v, options, backend)
+    heads, weights = output_and_weights(res)  # (B, H, Lq, Dv), (B, H, Lq, Lk) | None
+    for inspector in inspectors:
         heads = inspector.on_heads(module, heads, weights)  # type: ignore[arg-type]
     return heads, (weights if asked else None)

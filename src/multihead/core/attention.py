@@ -20,7 +20,7 @@ from torch import Tensor
 
 from . import backends as _backends
 from . import masks as _masks
-from .checks import check_dropout, check_scale, check_softcap
+from .checks import check_dropout, check_flag, check_scale, check_softcap
 from .masks.blocks import from_flex, is_flex_block_mask
 from .options import AttentionOptions, AttentionOutput, options_of, output_and_weights
 
@@ -119,7 +119,7 @@ def prepare(
         mask=options.mask,
         bias=options.bias,
         valid_lens=options.valid_lens,
-        causal=bool(options.causal),
+        causal=check_flag("causal", options.causal),
         segment_ids=options.segment_ids,
         dtype=q.dtype,
         device=q.device,
@@ -131,7 +131,7 @@ def prepare(
         norm,
         check_scale(options.scale, q.shape[-1]),
         check_dropout(options.dropout),
-        bool(options.return_weights),
+        check_flag("return_weights", options.return_weights),
         softcap=check_softcap(options.softcap),
         sinks=check_sinks(options.sinks, q),
     )
@@ -155,7 +155,7 @@ def _nothing_to_mask(
         and segment_ids is None
         and softcap is None
         and sinks is None
-        and not return_weights
+        and return_weights is False
         and type(dropout) in (float, int)
         and dropout == 0
     )
@@ -176,14 +176,14 @@ def unmasked_attention(q: Tensor, k: Tensor, v: Tensor, causal: object, scale: f
             None  # compiled code pays no Python per call; the whole way also keeps symbolic shapes symbolic
         )
     route = _backends.unmasked_route()
-    if route is None or not _plain_qkv(q, k, v):
-        return None
+    if route is None or not (causal is False or causal is True) or not _plain_qkv(q, k, v):
+        return None  # (a causal that is not a bool: the whole way checks it)
     lq, lk = q.shape[2], k.shape[2]
     if causal:
         if lq != lk and lq != 1:
             return None  # bottom-right alignment with Lq != Lk: a mask the kernel's flag does not make
         causal = lq > 1  # Lq == 1 sees every key
-    return route(q, k, v, bool(causal), check_scale(scale, q.shape[3]))
+    return route(q, k, v, causal, check_scale(scale, q.shape[3]))
 
 
 def _plain_qkv(q: Tensor, k: Tensor, v: Tensor) -> bool:
@@ -403,12 +403,7 @@ def reference_with(
     dropout = check_dropout(dropout)
     softcap = check_softcap(softcap)
     sinks = check_sinks(sinks, q)
-
-    k = k.repeat_interleave(h // hkv, dim=1)  # (B, H, Lk, Dk)
-    v = v.repeat_interleave(h // hkv, dim=1)  # (B, H, Lk, Dv)
-    scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # (B, H, Lq, Lk)
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
+    causal, return_weights = check_flag("causal", causal), check_flag("return_weights", return_weights)
 
     allowed = torch.ones(target, dtype=torch.bool, device=q.device)  # (B, H, Lq, Lk)
     if is_flex_block_mask(mask):  # its blocks and mask_mod, as flex_attention reads them
@@ -416,9 +411,9 @@ def reference_with(
     if callable(mask) and not isinstance(mask, Tensor):
         allowed = allowed & _masks.evaluate_fn(mask, target, "mask", q.device)
     elif mask is not None:
-        allowed = allowed & _masks.check_mask(mask, target)
+        allowed = allowed & _masks.check_mask(mask, target, device=q.device)
     if valid_lens is not None:
-        _masks.check_valid_lens(valid_lens, b, lq)
+        _masks.check_valid_lens(valid_lens, b, lq, q.device)
         allowed = allowed & _masks.from_valid_lens(valid_lens.to(q.device), lk, lq)
     if causal:
         allowed = allowed & _masks.causal(lq, lk, device=q.device)
@@ -428,11 +423,22 @@ def reference_with(
     if callable(bias) and not isinstance(bias, Tensor):
         bias = _masks.evaluate_fn(bias, target, "bias", q.device).to(q.dtype)
     elif bias is not None:
-        bias = _masks.check_bias(bias, target, q.dtype)
+        bias = _masks.check_bias(bias, target, q.dtype, q.device)
     if bias is not None:
-        scores = scores + bias
         allowed = allowed & ~torch.isneginf(bias)
 
+    k = k.repeat_interleave(h // hkv, dim=1)  # (B, H, Lk, Dk)
+    v = v.repeat_interleave(h // hkv, dim=1)  # (B, H, Lk, Dv)
+    # what no allowed (query, key) pair reads is never read, whatever it holds (NaN, Inf): the keys hidden
+    # from every query of a head, the queries that may see no key
+    hidden = ~allowed.any(dim=2).unsqueeze(-1)  # (B, H, Lk, 1)
+    k, v = k.masked_fill(hidden, 0.0), v.masked_fill(hidden, 0.0)
+    q = q.masked_fill(~allowed.any(dim=-1, keepdim=True), 0.0)  # (B, H, Lq, Dk)
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # (B, H, Lq, Lk)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if bias is not None:
+        scores = scores + bias
     scores = scores.masked_fill(~allowed, float("-inf"))
     if visit is not None:
         scores = visit("scores", scores)  # (B, H, Lq, Lk)

@@ -18,7 +18,9 @@ from torch import Tensor
 __all__ = [
     "broadcastable",
     "check_bias",
+    "check_device",
     "check_dropout",
+    "check_flag",
     "check_mask",
     "check_scale",
     "check_segment_ids",
@@ -55,10 +57,32 @@ def check_dropout(dropout: float, name: str = "dropout") -> float:
     return float(dropout)
 
 
+def check_flag(name: str, value: object) -> bool:
+    """A yes/no option (``causal``, ``return_weights``): ``True``/``False`` or the ints 1/0, as a bool.
+
+    Anything else is a ``TypeError``: ``bool()`` would take ``"False"``, ``0.5`` or ``[0]`` as True, and a
+    tensor as an error that does not name the argument."""
+    if value is True or value is False:
+        return value
+    if is_int(value) and value in (0, 1):
+        return bool(value)
+    hint = " (a tensor: pass bool(t))" if isinstance(value, Tensor) else ""
+    raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}{hint}")
+
+
+def check_device(name: str, t: Tensor, device: torch.device | str | None, *, host_ok: bool = False) -> None:
+    """``t`` (argument ``name``) must be on ``device`` (q's), or on the CPU where ``host_ok`` (small index
+    tensors such as ``valid_lens`` are moved): else a ``ValueError`` saying how to move it."""
+    if device is None or t.device == torch.device(device) or (host_ok and t.device.type == "cpu"):
+        return
+    raise ValueError(f"{name} is on {t.device} but q is on {device}; move it with {name}.to(q.device)")
+
+
 def check_scale(scale: float | None, dk: int) -> float:
-    """The score scale: ``scale`` if a finite number, ``1/sqrt(dk)`` if None."""
+    """The score scale: ``scale`` if a finite number, ``1/sqrt(dk)`` if None (1 when Dk = 0: every score
+    is 0 then, whatever the scale)."""
     if scale is None:
-        return 1.0 / math.sqrt(dk)
+        return 1.0 / math.sqrt(dk) if dk > 0 else 1.0
     if not _is_number(scale) or not math.isfinite(scale):
         raise ValueError(f"scale must be a finite number or None (= 1/sqrt(Dk)), got {scale!r}")
     return float(scale)
@@ -114,6 +138,8 @@ def check_segment_ids(
                 f"{label} must have shape (B, {'Lq' if name == 'q_ids' else 'Lk'}) = ({batch}, {length}), got "
                 f"{tuple(ids.shape)}; a single sequence is ids[None] (1, L)"
             )
+    for name, ids in (("q_ids", q_ids), ("kv_ids", kv_ids)):
+        check_device(f"segment_ids {name}" if pair else "segment_ids", ids, device, host_ok=True)  # type: ignore[arg-type]
     q64 = q_ids.to(device=device, dtype=torch.int64)  # type: ignore[union-attr]
     kv64 = q64 if kv_ids is q_ids else kv_ids.to(device=device, dtype=torch.int64)  # type: ignore[union-attr]
     return q64, kv64
@@ -126,8 +152,10 @@ def broadcastable(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
     return all(s in (1, t) for s, t in zip(reversed(shape), reversed(target)))
 
 
-def check_mask(mask: Tensor, target: tuple[int, int, int, int], name: str = "mask") -> Tensor:
-    """Check a bool ``mask`` broadcasts to ``target`` (B, H, Lq, Lk); return it as a 4-D view."""
+def check_mask(
+    mask: Tensor, target: tuple[int, int, int, int], name: str = "mask", device: torch.device | None = None
+) -> Tensor:
+    """Check a bool ``mask`` broadcasts to ``target`` (B, H, Lq, Lk) on ``device``; return it as a 4-D view."""
     if not isinstance(mask, Tensor):
         raise TypeError(
             f"{name} must be a bool torch.Tensor, a function fn(b, h, q_idx, kv_idx) -> bool tensor or a "
@@ -151,11 +179,14 @@ def check_mask(mask: Tensor, target: tuple[int, int, int, int], name: str = "mas
             f"{name} of shape {tuple(mask.shape)} does not broadcast to (B, H, Lq, Lk) = {target}; "
             f"give it shape (Lq, Lk), (B, 1, Lq, Lk), (B, 1, 1, Lk) or (B, H, Lq, Lk)"
         )
+    check_device(name, mask, device)
     return mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # (B|1, H|1, Lq|1, Lk|1)
 
 
-def check_bias(bias: Tensor, target: tuple[int, int, int, int], dtype: torch.dtype) -> Tensor:
-    """Check a float ``bias`` broadcasts to ``target``; return it 4-D in the working ``dtype``."""
+def check_bias(
+    bias: Tensor, target: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device | None = None
+) -> Tensor:
+    """Check a float ``bias`` broadcasts to ``target`` on ``device``; return it 4-D in the working ``dtype``."""
     if not isinstance(bias, Tensor):
         raise TypeError(
             f"bias must be a floating-point torch.Tensor or a function fn(b, h, q_idx, kv_idx) -> float "
@@ -171,6 +202,7 @@ def check_bias(bias: Tensor, target: tuple[int, int, int, int], dtype: torch.dty
             f"bias of shape {tuple(bias.shape)} does not broadcast to (B, H, Lq, Lk) = {target}; "
             f"give it shape (Lq, Lk), (H, Lq, Lk), (B, 1, Lq, Lk) or (B, H, Lq, Lk)"
         )
+    check_device("bias", bias, device)
     bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))  # (B|1, H|1, Lq|1, Lk|1)
     return bias.to(dtype)
 
@@ -180,8 +212,11 @@ def is_tracing() -> bool:
     return bool(torch.jit.is_tracing() or torch.compiler.is_compiling() or torch.onnx.is_in_onnx_export())
 
 
-def check_valid_lens(valid_lens: Tensor, batch: int | None, lq: int | None) -> None:
-    """``valid_lens`` must be an integer tensor of shape (B,) or (B, Lq) with no negative entry."""
+def check_valid_lens(
+    valid_lens: Tensor, batch: int | None, lq: int | None, device: torch.device | None = None
+) -> None:
+    """``valid_lens`` must be an integer tensor of shape (B,) or (B, Lq) with no negative entry, on ``device``
+    (q's) or the CPU."""
     if not isinstance(valid_lens, Tensor):
         raise TypeError(
             f"valid_lens must be an integer torch.Tensor of shape (B,) or (B, Lq), got "
@@ -198,6 +233,7 @@ def check_valid_lens(valid_lens: Tensor, batch: int | None, lq: int | None) -> N
     ok_lq = valid_lens.dim() != 2 or lq is None or valid_lens.shape[1] == lq
     if not (ok_rank and ok_batch and ok_lq):
         raise ValueError(f"valid_lens must have shape {expected}, got {tuple(valid_lens.shape)}")
+    check_device("valid_lens", valid_lens, device, host_ok=True)
     # values are read on the CPU only: on a GPU the check would make the host wait for the device on every
     # call (no queueing ahead, no CUDA graphs); there a negative length acts as 0 (a row with no key)
     on_host = valid_lens.device.type == "cpu"

@@ -47,6 +47,7 @@ from ...nn.attention import MultiHeadAttention as _CoreMHA
 from ...nn.attention import map_inputs, merge_heads, split_heads
 from .boundary import (
     IsCausalError,
+    MultiheadAttentionError,
     _keep_and_bias,
     _pad_keys,
     _shape,
@@ -346,7 +347,10 @@ class MultiheadAttention(_CoreMHA):
         elif not batched:
             query, key, value = map_inputs(lambda t: t.unsqueeze(0), query, key, value)  # (1, L, E)
             key_padding_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(0)  # (1, S)
-        self._check_inputs(query, key, value)
+        try:
+            self._check_inputs(query, key, value)
+        except ValueError as e:  # a length or feature-size mismatch: torch's AssertionError as well
+            raise MultiheadAttentionError(str(e)) from None
         n, lq, lk = query.shape[0], query.shape[1], key.shape[1]
         keep, bias, causal = self._masks(
             key_padding_mask, attn_mask, is_causal, need_weights, n, lq, lk, self._extra_keys(), query

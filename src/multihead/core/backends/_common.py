@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..checks import is_tracing
 from .base import AttentionCall
 
 FUSED_CPU_TAKES_GROUPS = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 9)
@@ -93,3 +94,66 @@ def group_sinks(sinks: Tensor | None, hkv: int, lq: int) -> Tensor | None:
         return None
     g = sinks.shape[0] // hkv
     return sinks.view(hkv, g, 1).expand(hkv, g, lq).reshape(1, hkv, g * lq, 1)  # (1, Hkv, G*Lq, 1)
+
+
+def unread_zeroed(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    keep: Tensor | None,
+    bias: Tensor | None,
+    row_ok: Tensor | None,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """q (B, H, Lq, Dk), k (B, Hkv, Lk, Dk), v (B, Hkv, Lk, Dv) with what no allowed (query, key) pair reads
+    set to 0: the keys and values hidden from every query of their batch row and kv head (padding, a
+    cache's unused slots), and the queries of rows with no allowed key -- so whatever they hold (NaN, Inf,
+    a finite value whose score overflows) never reaches an output or a gradient through a kernel's
+    ``score + (-inf)`` or ``0 * value``.
+
+    ``keep`` (B|1, H|1, Lq|1, Lk|1) bool and ``bias`` (B|1, H|1, Lq|1, Lk|1) as in a dense
+    :class:`~multihead.core.masks.Normalized` (dead rows re-opened, ``row_ok`` (B|1, H|1, Lq|1, 1) False on
+    them). Cheap where there is nothing to do: no mask, or (on the CPU) hidden keys that are finite and
+    small enough that no score overflows -- a look at those keys only, no copy of K or V."""
+    if row_ok is not None:
+        q = q.masked_fill(~row_ok, 0.0)  # (B, H, Lq, Dk): a dead row's query reads nothing
+    dead = _hidden_keys(keep, bias, row_ok, k.shape[1])  # (B|1, Hkv|1, Lk, 1) or None
+    if dead is None or (_on_host(k) and _harmless(q, k, v, dead, scale)):
+        return q, k, v
+    return q, k.masked_fill(dead, 0.0), v.masked_fill(dead, 0.0)
+
+
+def _on_host(t: Tensor) -> bool:
+    return t.device.type == "cpu" and not is_tracing()
+
+
+def _hidden_keys(keep: Tensor | None, bias: Tensor | None, row_ok: Tensor | None, hkv: int) -> Tensor | None:
+    """(B|1, Hkv|1, Lk, 1) True for the keys no query of their batch row and kv head may see, or None."""
+    closed = keep
+    if bias is not None and bias.shape[3] > 1:
+        finite = ~torch.isneginf(bias)
+        closed = finite if closed is None else closed & finite
+    if closed is None or closed.shape[3] == 1:
+        return None
+    if row_ok is not None:
+        closed = closed & row_ok  # re-opened dead rows see nothing
+    dead = ~closed.any(dim=2)  # (B|1, H|1, Lk)
+    b, h, lk = dead.shape
+    if h > 1:
+        dead = dead.view(b, hkv, h // hkv, lk).all(dim=2)  # (B|1, Hkv, Lk): hidden from all G heads
+    if _on_host(dead) and not bool(dead.any()):
+        return None
+    return dead.unsqueeze(-1)  # (B|1, Hkv|1, Lk, 1)
+
+
+def _harmless(q: Tensor, k: Tensor, v: Tensor, dead: Tensor, scale: float) -> bool:
+    """Whether the hidden keys and values are finite and no score with them can overflow (the product of
+    the largest |q| and |k| entries, times Dk and |scale|, is finite): read at those keys only."""
+    at = dead.squeeze(-1).expand(k.shape[0], k.shape[1], k.shape[2])  # (B, Hkv, Lk)
+    kd, vd = k.detach()[at], v.detach()[at]  # (n, Dk), (n, Dv): the hidden keys alone
+    if not (bool(torch.isfinite(vd).all()) and bool(torch.isfinite(kd).all())):
+        return False
+    if kd.numel() == 0 or q.numel() == 0:
+        return True
+    bound = float(kd.abs().amax()) * float(q.detach().abs().amax()) * k.shape[3] * abs(scale)
+    return bound < torch.finfo(q.dtype).max / 4

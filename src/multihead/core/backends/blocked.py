@@ -45,7 +45,7 @@ from ..checks import is_int
 from ..masks import MaskFunction, Normalized, attn_mask, causal, combine, evaluate_block, open_dead_rows
 from ..masks.blocks import BlockMaskFunction, Blocks, structure
 from ..segments import Run, packed_runs
-from ._common import group_mask, kv_for_cpu_kernel, zero_dead_rows
+from ._common import group_mask, kv_for_cpu_kernel, unread_zeroed, zero_dead_rows
 from .base import AttentionCall
 
 __all__ = ["BlockedBackend", "packed_runs"]
@@ -115,6 +115,9 @@ class BlockedBackend:
 
     def __call__(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         m = call.masks
+        q, k, v = unread_zeroed(call.q, call.k, call.v, m.mask, m.bias, m.row_ok, call.scale)
+        if q is not call.q or k is not call.k or v is not call.v:  # hidden by the dense masks: never read
+            call = replace(call, q=q, k=k, v=v)
         runs = packed_runs(*m.segments) if m.segments is not None else None
         out = self._varlen(call, runs) if runs is not None else self._tiled(call, _Frame.of(call))
         return zero_dead_rows(out, m.row_ok), None
@@ -151,7 +154,7 @@ class BlockedBackend:
                 else:  # full tiles apart (no mask) where their log-sum-exp is merged; together under autograd
                     full_min = self.full_min if not grad else 0
                     spans = list(frame.block_spans(i0, i1, lk, self.span_k, q.dtype, tiles, full_min))
-            if softcap is None and (not grad or (len(spans) == 1 and sinks is None)):
+            if softcap is None and (grad and len(spans) == 1 and sinks is None or not grad and dk == dv):
                 qg = q[:, :, i0:i1].reshape(b, hkv, g * n, dk)  # (Bs, Hkv, G*n, Dk), heads stacked
                 block = _fused(qg, k, v, spans, i0, i1, call.scale, sinks, h, grad)
             else:
@@ -220,6 +223,8 @@ class BlockedBackend:
                 rows.append(torch.cat(pieces, dim=1) if pieces else q.new_zeros(h, lq, dv))  # (H, Lq, Dv)
         if out is not None:
             return out
+        if not rows:
+            return q.new_zeros(b, h, lq, dv)  # B = 0
         return rows[0][None] if len(rows) == 1 else torch.stack(rows)  # (B, H, Lq, Dv)
 
     def _one_run(self, call: AttentionCall, bi: int, run: Run, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -230,7 +235,9 @@ class BlockedBackend:
             return self._tiled(call, frame, q, k, v)
         n, w = qe - qs, ke - ks
         keep, bias = replace(frame, causal=False).tile(0, n, 0, w, q.dtype)  # (1|1, H|1, n|1, w|1) or None
-        is_causal = frame.is_causal and frame.diagonal == 0 and keep is None and bias is None  # native kernel
+        is_causal = (  # torch's native causal kernel: NaN rows for a scale <= 0
+            frame.is_causal and frame.diagonal == 0 and keep is None and bias is None and call.scale > 0
+        )
         if frame.is_causal and not is_causal:  # the run's own triangle joins its mask
             keep = combine(keep, causal(n, w, diagonal=frame.diagonal, device=q.device).view(1, 1, n, w))
         keep, bias, row_ok = open_dead_rows(keep, bias)  # rows that see nothing: re-opened, zeroed below

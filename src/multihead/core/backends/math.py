@@ -33,6 +33,7 @@ from ._common import (
     group_queries,
     group_sinks,
     ungroup,
+    unread_zeroed,
     zero_dead_rows,
 )
 from .base import AttentionCall
@@ -76,6 +77,7 @@ class MathBackend:
         q, k, v = call.q, call.k, call.v
         b, h, hkv, lq, lk = q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2]
         m = materialize(call.masks, (b, h, lq, lk), q.dtype, q.device)  # dense form (no-op without functions)
+        q, k, v = unread_zeroed(q, k, v, m.mask, m.bias, m.row_ok, call.scale)  # hidden garbage: never read
         # Scaling q (B*H*Lq*Dk products) is cheaper than scaling the scores (B*H*Lq*Lk), and its
         # contiguous result makes the grouping below a view.
         qg = group_queries(q * call.scale, hkv)  # (B, Hkv, G*Lq, Dk)

@@ -41,7 +41,7 @@ from ..checks import is_tracing
 from ..masks import attn_mask as additive
 from ..masks import causal, key_prefix, materialize, to_bias
 from ..segments import packed_runs
-from ._common import DENSE_LIMIT, dense_refusal, kv_for_cpu_kernel, zero_dead_rows
+from ._common import DENSE_LIMIT, dense_refusal, kv_for_cpu_kernel, unread_zeroed, zero_dead_rows
 from .base import AttentionCall, Deferral
 from .math import serves_short, short_attention
 
@@ -169,6 +169,7 @@ class SDPABackend:
         lengths = _short_rows(call, m)
         if lengths is not None:  # right-padded keys: each row attends its real keys only
             return zero_dead_rows(_by_rows(call, lengths), m.row_ok), None  # re-opened dead rows: 0
+        q, k, v = unread_zeroed(q, k, v, m.mask, m.bias, m.row_ok, call.scale)  # hidden garbage: never read
         attn_mask = additive(m.mask, m.bias)  # (B|1, H|1, Lq|1, Lk|1) bool or float, or None
         is_causal = m.causal
         if call.sinks is not None:
@@ -196,6 +197,11 @@ def _kernel(
     rows on the CPU (:func:`~multihead.core.backends.math.serves_short`) run as two matmuls instead."""
     if attn_mask is None and not dropout and serves_short(q, k, is_causal):
         return short_attention(q, k, v, is_causal, scale)  # (B, H, Lq, Dv)
+    if is_causal and scale <= 0:  # torch's causal kernel gives NaN rows for a scale <= 0 (2.13, CPU)
+        attn_mask, is_causal = (
+            causal(q.shape[2], k.shape[2], device=q.device).view(1, 1, q.shape[2], -1),
+            False,
+        )
     k, v = kv_for_cpu_kernel(q, k, v)  # repeated to H heads on CPU before torch 2.9 only
     return _fused(q, k, v, attn_mask, is_causal, dropout, scale)
 

@@ -140,7 +140,7 @@ def from_valid_lens(valid_lens: Tensor, lk: int, lq: int | None = None) -> Tenso
     check_valid_lens(valid_lens, batch=None, lq=lq)
     keys = torch.arange(lk, device=valid_lens.device)  # (Lk,)
     if valid_lens.dim() == 1:
-        return (keys < valid_lens[:, None]).view(-1, 1, 1, lk)  # (B, 1, 1, Lk)
+        return (keys < valid_lens[:, None]).view(valid_lens.shape[0], 1, 1, lk)  # (B, 1, 1, Lk)
     return (keys < valid_lens[:, :, None]).unsqueeze(1)  # (B, 1, Lq, Lk)
 
 

@@ -248,7 +248,7 @@ def tensor_fn(t: Tensor) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
         # .item() (an error under vmap, a data-dependent guard under compile). Broadcast index tensors (the
         # library's own blocks) keep the int 0, so a size-1 dimension adds no extent to the result.
         zero = torch.zeros_like(q_idx) if q_idx.dim() == 0 else 0
-        return t[tuple(i if n > 1 else zero for i, n in zip((b, h, q_idx, kv_idx), sizes, strict=True))]
+        return t[tuple(i if n != 1 else zero for i, n in zip((b, h, q_idx, kv_idx), sizes, strict=True))]
 
     return MaskFunction(at, "tensor") if t.dtype == torch.bool else BiasFunction(at, "tensor")
 

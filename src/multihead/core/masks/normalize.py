@@ -111,10 +111,11 @@ def normalize(
     mask_broadcast = probe_fn(mask_fn, target, "mask", device) if mask_fn is not None else True
     bias_broadcast = probe_fn(bias_fn, target, "bias", device) if bias_fn is not None else True
     segments = None if segment_ids is None else check_segment_ids(segment_ids, b, lq, lk, device)
-    keep = check_mask(mask, target) if mask is not None and mask_fn is None else None  # type: ignore[arg-type]
-    dense_bias = check_bias(bias, target, dtype) if bias is not None and bias_fn is None else None  # type: ignore[arg-type]
+    dev = None if device is None else torch.device(device)
+    keep = check_mask(mask, target, device=dev) if mask is not None and mask_fn is None else None  # type: ignore[arg-type]
+    dense_bias = check_bias(bias, target, dtype, dev) if bias is not None and bias_fn is None else None  # type: ignore[arg-type]
     if valid_lens is not None:
-        check_valid_lens(valid_lens, b, lq)
+        check_valid_lens(valid_lens, b, lq, dev)
         keep = combine(keep, from_valid_lens(valid_lens.to(device), lk, lq))
     if mask_fn is not None or bias_fn is not None or segments is not None:  # function mode
         norm = _dense(keep, dense_bias)

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..checks import is_int
+from ..checks import is_int, is_tracing
 from ..masks import MaskFunction, Normalized, attn_mask, causal, combine, evaluate_block, open_dead_rows
 from ..masks.blocks import BlockMaskFunction, Blocks, structure
 from ..segments import Run, packed_runs
@@ -155,13 +155,17 @@ class BlockedBackend:
                     full_min = self.full_min if not grad else 0
                     spans = list(frame.block_spans(i0, i1, lk, self.span_k, q.dtype, tiles, full_min))
             if softcap is None and (grad and len(spans) == 1 and sinks is None or not grad and dk == dv):
-                qg = q[:, :, i0:i1].reshape(b, hkv, g * n, dk)  # (Bs, Hkv, G*n, Dk), heads stacked
-                block = _fused(qg, k, v, spans, i0, i1, call.scale, sinks, h, grad)
+                block = _fused(q[:, :, i0:i1], k, v, spans, call.scale, sinks, grad)
             else:
-                qt = (q[:, :, i0:i1] * factor).reshape(b, hkv, g * n, dk)  # (Bs, Hkv, G*n, Dk)
+                qb = q[:, :, i0:i1]  # (Bs, H, n, Dk)
+                dead = _rows_seeing_nothing(spans)  # (Bs|1, H|1, n, 1) or None
+                qb = qb if dead is None else qb.masked_fill(dead, 0.0)  # their garbage: never read
+                qt = (qb * factor).reshape(b, hkv, g * n, dk)  # (Bs, Hkv, G*n, Dk)
                 state = _State.start(b, h, n, dv, q, sinks)
                 for j0, j1, keep, bias in spans:
-                    s = torch.matmul(qt, k[:, :, j0:j1].transpose(-2, -1)).view(
+                    kt, vt = k[:, :, j0:j1], v[:, :, j0:j1]  # (Bs, Hkv, w, D); hidden garbage: never read
+                    _, kt, vt = unread_zeroed(q[:, :, i0:i1], kt, vt, keep, bias, None, factor)
+                    s = torch.matmul(qt, kt.transpose(-2, -1)).view(
                         b, h, n, j1 - j0
                     )  # (Bs, H, n, w)
                     if softcap is not None:
@@ -174,7 +178,7 @@ class BlockedBackend:
                             if not grad
                             else s.masked_fill(~keep, float("-inf"))
                         )
-                    state.add(s, v[:, :, j0:j1], g, grad)
+                    state.add(s, vt, g, grad)
                 block = state.finish()  # (Bs, H, n, Dv)
             if out is not None:
                 with _serial():
@@ -423,6 +427,21 @@ class _Frame:
         return lo, max(lo, hi)
 
 
+def _rows_seeing_nothing(spans: list[_Span]) -> Tensor | None:
+    """(Bs|1, H|1, n, 1) True for the block's query rows that no span lets see a key, or None if there are
+    none (or no span at all: then no query is read)."""
+    seen = None
+    for _, _, keep, bias in spans:
+        allowed = keep if bias is None else ~torch.isneginf(bias) if keep is None else keep & ~torch.isneginf(bias)
+        if allowed is None:
+            return None
+        row = allowed.any(dim=-1, keepdim=True)  # (Bs|1, H|1, n|1, 1)
+        seen = row if seen is None else seen | row
+    if seen is None or (not is_tracing() and bool(seen.all())):
+        return None
+    return ~seen
+
+
 def _narrow_full_to_partial(cols: list[int], c0: int, c1: int, least: int) -> None:
     """Full runs of fewer than ``least`` tiles among ``cols[c0:c1]`` become partial, in place: a kernel call
     of its own and a log-sum-exp merge cost more than masking a few tiles with their neighbours."""
@@ -477,16 +496,18 @@ def _serial() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _fused(qg: Tensor, k: Tensor, v: Tensor, spans: list[_Span], i0: int, i1: int, scale: float,
-           sinks: Tensor | None, h: int, grad: bool) -> Tensor:  # fmt: skip
-    """One block of grouped queries qg (Bs, Hkv, G*n, Dk) over its spans, each through PyTorch's fused
-    CPU attention kernel with the span's mask and bias as one additive mask -> (Bs, H, n, Dv).
+def _fused(qb: Tensor, k: Tensor, v: Tensor, spans: list[_Span], scale: float, sinks: Tensor | None,
+           grad: bool) -> Tensor:  # fmt: skip
+    """One block of queries qb (Bs, H, n, Dk) over its spans, each through PyTorch's fused CPU attention
+    kernel (the G query heads of a kv head stacked as rows) with the span's mask and bias as one additive
+    mask -> (Bs, H, n, Dv).
 
     Without autograd the spans (and the sinks) are joined by their log-sum-exp, which the kernel returns;
     with autograd (whose log-sum-exp has no gradient) there is one span and no sink (the caller checks).
     """
-    b, hkv, gn, _ = qg.shape
-    n, dv = i1 - i0, v.shape[3]
+    b, h, n, dk = qb.shape
+    hkv, dv = k.shape[1], v.shape[3]
+    qg = qb.reshape(b, hkv, h // hkv * n, dk)  # (Bs, Hkv, G*n, Dk), heads stacked
     acc: Tensor | None = None
     lse: Tensor | None = None
     for j0, j1, keep, bias in spans:
@@ -497,12 +518,13 @@ def _fused(qg: Tensor, k: Tensor, v: Tensor, spans: list[_Span], i0: int, i1: in
             mask = attn_mask(keep, bias, qg.dtype)  # the bias (or 0) where allowed, -inf elsewhere
         if mask is not None:
             mask = group_mask(mask.expand(*mask.shape[:3], j1 - j0), h, hkv, n)  # (Bs|1, Hkv|1, G*n|1, w)
-        kt, vt = k[:, :, j0:j1], v[:, :, j0:j1]  # (Bs, Hkv, w, D)
+        qs, kt, vt = unread_zeroed(qb, k[:, :, j0:j1], v[:, :, j0:j1], keep, bias, row_ok, scale)  # (Bs, *, w, D)
+        qs = qg if qs is qb else qs.reshape(b, hkv, h // hkv * n, dk)  # hidden garbage: never read
         if grad:
-            o = F.scaled_dot_product_attention(qg, kt, vt, attn_mask=mask, scale=scale)  # (Bs, Hkv, G*n, Dv)
+            o = F.scaled_dot_product_attention(qs, kt, vt, attn_mask=mask, scale=scale)  # (Bs, Hkv, G*n, Dv)
             return zero_dead_rows(o.reshape(b, h, n, dv), row_ok)  # (Bs, H, n, Dv)
         o, part = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            qg, kt, vt, 0.0, False, attn_mask=mask, scale=scale
+            qs, kt, vt, 0.0, False, attn_mask=mask, scale=scale
         )  # (Bs, Hkv, G*n, Dv), (Bs, Hkv, G*n)
         o, part = o.reshape(b, h, n, dv), part.reshape(b, h, n, 1)
         if row_ok is not None:
@@ -555,7 +577,7 @@ class _State:
             shift = top.masked_fill(torch.isneginf(top), 0.0)  # rows with nothing allowed yet: exp(-inf) = 0
             alpha = torch.exp(self.top - shift)  # rescales what came before
         p = s.sub_(shift).exp_() if not grad else torch.exp(s - shift)  # (Bs, H, n, w)
-        pv = torch.matmul(p.view(b, h // g, g * n, w), v).view(b, h, n, -1)  # (Bs, H, n, Dv)
+        pv = torch.matmul(p.view(b, h // g, g * n, w), v).view(b, h, n, v.shape[-1])  # (Bs, H, n, Dv)
         if grad:
             self.total = self.total * alpha + p.sum(dim=-1, keepdim=True)
             self.acc = self.acc * alpha + pv

@@ -15,7 +15,7 @@ PIP := -m pip install -q --disable-pip-version-check
 SMOKE := build/smoke
 TORCH_PIN := $(shell grep -E '^torch==' requirements-dev.txt)
 
-.PHONY: venv demo test lint wheel smoke bench clean browser test-floor
+.PHONY: venv demo test lint wheel smoke bench clean browser test-floor fuzz
 
 venv: $(STAMP)
 
@@ -64,6 +64,11 @@ browser:
 test: lint smoke browser
 	$(PY) -m pytest -q -n 2 --dist worksteal --durations=10
 	$(PY) tests/cpu_kernels.py
+
+# the fuzz suite's long run, before a release: tests/test_fuzz*.py with 40x the examples of `make test`'s
+# fixed-seed part, random seeds (hypothesis profile multihead-fuzz-long, tests/fuzz_cases.py); minutes
+fuzz: $(STAMP)
+	MULTIHEAD_FUZZ=long $(PY) -m pytest -q -n 2 -p no:cacheprovider --hypothesis-show-statistics tests/test_fuzz*.py
 
 # The floor job. Its own venv, .venv-floor: torch and Keras at pyproject's floors (requirements-floor.txt pins
 # them and the rest as requirements-dev.txt does; tests/test_package.py checks the floors agree), plus the

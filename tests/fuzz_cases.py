@@ -35,7 +35,11 @@ settings.register_profile(
     suppress_health_check=list(HealthCheck),
 )
 settings.register_profile(
-    "multihead-fuzz-long", derandomize=False, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+    "multihead-fuzz-long",
+    derandomize=False,
+    deadline=None,
+    database=None,
+    suppress_health_check=list(HealthCheck),
 )
 PROFILE = settings.get_profile("multihead-fuzz-long" if LONG else "multihead-fuzz")
 BACKENDS = ("auto", *backends.available())
@@ -228,7 +232,9 @@ def cases(draw: st.DrawFn, *, most: int = 9) -> Case:
     shape = draw(shapes(most=most))
     seed = draw(st.integers(0, 2**31 - 1))
     garbage = draw(st.sampled_from([None, None, float("nan"), float("inf"), float("-inf"), 3e38]))
-    layout = "contiguous" if garbage is not None else draw(st.sampled_from(["contiguous", "strided", "expanded"]))
+    layout = (
+        "contiguous" if garbage is not None else draw(st.sampled_from(["contiguous", "strided", "expanded"]))
+    )
     g = torch.Generator().manual_seed(seed + 1)
     return Case(shape, seed, layout, draw(masks(shape, g)), draw(st.sampled_from(BACKENDS)), garbage)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fuzz_cases import Case, allowed_grid, cases, close, fuzz, names_the_argument, no_hang, qkv, with_garbage
+from fuzz_cases import Case, allowed_grid, cases, close, fuzz, no_hang, qkv, with_garbage
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -49,7 +49,9 @@ def check_case(case: Case) -> None:
         try:
             got = mh.attention(*inputs, backend=case.backend, **kw)
         except ValueError as e:  # a named backend may refuse, by name; auto never does
-            assert case.backend != "auto" and f"backend {case.backend!r} cannot serve" in str(e), case.describe()
+            assert case.backend != "auto" and f"backend {case.backend!r} cannot serve" in str(e), (
+                case.describe()
+            )
             return
         extras = [kw.get("sinks"), kw.get("bias")]
         got_grads = _grads(got, _leaves(*inputs, *extras), case.seed)
@@ -60,7 +62,9 @@ def check_case(case: Case) -> None:
         close(weights, want_weights, f"weights of {case.describe()}")
     for i, (a, b) in enumerate(zip(got_grads, want_grads, strict=True)):
         if a is None or b is None:
-            assert (a is None or not a.any()) and (b is None or not b.any()), f"gradient {i} of {case.describe()}"
+            assert (a is None or not a.any()) and (b is None or not b.any()), (
+                f"gradient {i} of {case.describe()}"
+            )
         else:
             close(a, b, f"gradient {i} of {case.describe()}")
 

@@ -34,7 +34,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from ..core.checks import is_tracing, positive_int
+from ..core.checks import check_flag, is_tracing, positive_int
 
 __all__ = ["KVCache"]
 
@@ -75,9 +75,9 @@ class KVCache:
     def __init__(
         self, *, static: bool = False, max_len: int | None = None, fixed_shape: bool = False
     ) -> None:
-        self.static = bool(static)
+        self.static = check_flag("static", static)
         self.max_len = None if max_len is None else positive_int("max_len", max_len)
-        self.fixed_shape = bool(fixed_shape)
+        self.fixed_shape = check_flag("fixed_shape", fixed_shape)
         if self.fixed_shape and (self.static or self.max_len is None):
             raise ValueError(
                 f"fixed_shape=True needs max_len (the positions every step attends over) and static=False; "

@@ -130,10 +130,10 @@ def _on_host(t: Tensor) -> bool:
 def _hidden_keys(keep: Tensor | None, bias: Tensor | None, row_ok: Tensor | None, hkv: int) -> Tensor | None:
     """(B|1, Hkv|1, Lk, 1) True for the keys no query of their batch row and kv head may see, or None."""
     closed = keep
-    if bias is not None and bias.shape[3] > 1:
+    if bias is not None:
         finite = ~torch.isneginf(bias)
         closed = finite if closed is None else closed & finite
-    if closed is None or closed.shape[3] == 1:
+    if closed is None:
         return None
     if row_ok is not None:
         closed = closed & row_ok  # re-opened dead rows see nothing

@@ -165,9 +165,7 @@ class BlockedBackend:
                 for j0, j1, keep, bias in spans:
                     kt, vt = k[:, :, j0:j1], v[:, :, j0:j1]  # (Bs, Hkv, w, D); hidden garbage: never read
                     _, kt, vt = unread_zeroed(q[:, :, i0:i1], kt, vt, keep, bias, None, factor)
-                    s = torch.matmul(qt, kt.transpose(-2, -1)).view(
-                        b, h, n, j1 - j0
-                    )  # (Bs, H, n, w)
+                    s = torch.matmul(qt, kt.transpose(-2, -1)).view(b, h, n, j1 - j0)  # (Bs, H, n, w)
                     if softcap is not None:
                         s = s.tanh_().mul_(softcap) if not grad else torch.tanh(s) * softcap
                     if bias is not None:
@@ -245,6 +243,7 @@ class BlockedBackend:
         if frame.is_causal and not is_causal:  # the run's own triangle joins its mask
             keep = combine(keep, causal(n, w, diagonal=frame.diagonal, device=q.device).view(1, 1, n, w))
         keep, bias, row_ok = open_dead_rows(keep, bias)  # rows that see nothing: re-opened, zeroed below
+        q, k, v = unread_zeroed(q, k, v, keep, bias, row_ok, call.scale)  # hidden garbage: never read
         k, v = kv_for_cpu_kernel(q, k, v)  # repeated to H heads before torch 2.9 only
         out = F.scaled_dot_product_attention(
             q,
@@ -432,7 +431,9 @@ def _rows_seeing_nothing(spans: list[_Span]) -> Tensor | None:
     none (or no span at all: then no query is read)."""
     seen = None
     for _, _, keep, bias in spans:
-        allowed = keep if bias is None else ~torch.isneginf(bias) if keep is None else keep & ~torch.isneginf(bias)
+        allowed = (
+            keep if bias is None else ~torch.isneginf(bias) if keep is None else keep & ~torch.isneginf(bias)
+        )
         if allowed is None:
             return None
         row = allowed.any(dim=-1, keepdim=True)  # (Bs|1, H|1, n|1, 1)
@@ -518,7 +519,9 @@ def _fused(qb: Tensor, k: Tensor, v: Tensor, spans: list[_Span], scale: float, s
             mask = attn_mask(keep, bias, qg.dtype)  # the bias (or 0) where allowed, -inf elsewhere
         if mask is not None:
             mask = group_mask(mask.expand(*mask.shape[:3], j1 - j0), h, hkv, n)  # (Bs|1, Hkv|1, G*n|1, w)
-        qs, kt, vt = unread_zeroed(qb, k[:, :, j0:j1], v[:, :, j0:j1], keep, bias, row_ok, scale)  # (Bs, *, w, D)
+        qs, kt, vt = unread_zeroed(
+            qb, k[:, :, j0:j1], v[:, :, j0:j1], keep, bias, row_ok, scale
+        )  # (Bs, *, w, D)
         qs = qg if qs is qb else qs.reshape(b, hkv, h // hkv * n, dk)  # hidden garbage: never read
         if grad:
             o = F.scaled_dot_product_attention(qs, kt, vt, attn_mask=mask, scale=scale)  # (Bs, Hkv, G*n, Dv)

@@ -26,6 +26,7 @@ from multihead.core.attention import reference_with
 from multihead.core.options import AttentionOptions
 
 LONG = os.environ.get("MULTIHEAD_FUZZ") == "long"
+DEVICE = torch.device(os.environ.get("MULTIHEAD_FUZZ_DEVICE", "cpu"))  # a GPU run: MULTIHEAD_FUZZ_DEVICE=cuda
 LONG_FACTOR = 40  # examples of the long run per example of the fixed-seed one
 settings.register_profile(
     "multihead-fuzz",
@@ -122,7 +123,7 @@ def qkv(shape: Shape, seed: int, layout: str) -> tuple[torch.Tensor, torch.Tenso
     s = shape
     out = []
     for dims in ((s.b, s.h, s.lq, s.dk), (s.b, s.hkv, s.lk, s.dk), (s.b, s.hkv, s.lk, s.dv)):
-        t = torch.randn(dims, generator=g, dtype=torch.float64)
+        t = torch.randn(dims, generator=g, dtype=torch.float64).to(DEVICE)
         if layout == "expanded" and s.b > 0:
             t = t[:1].repeat(s.b, 1, 1, 1)  # equal rows, so the stride-0 view holds the same values
         out.append(laid_out(t, layout).requires_grad_(True))
@@ -143,7 +144,7 @@ def _broadcast_shape(draw: st.DrawFn, target: tuple[int, ...]) -> tuple[int, ...
 
 def _mask_fns(shape: Shape, g: torch.Generator) -> dict[str, object]:
     lq, lk = shape.lq, shape.lk
-    table = torch.rand(shape.b, 1, lq, lk, generator=g) > 0.4
+    table = (torch.rand(shape.b, 1, lq, lk, generator=g) > 0.4).to(DEVICE)
     return {
         "causal_fn": mh.masks.causal_fn(lq, lk),
         "window_fn": mh.masks.sliding_window_fn(2, lq=lq, lk=lk),
@@ -158,12 +159,14 @@ def _mask_fns(shape: Shape, g: torch.Generator) -> dict[str, object]:
 
 def _bias_fns(shape: Shape, g: torch.Generator) -> dict[str, object]:
     lq, lk = shape.lq, shape.lk
-    table = torch.randn(shape.h, 5, generator=g, dtype=torch.float64)
+    table = torch.randn(shape.h, 5, generator=g, dtype=torch.float64).to(DEVICE)
     return {
         "alibi_fn": mh.masks.alibi_fn(shape.h, lq=lq, lk=lk),
         "relative_fn": mh.masks.relative_position_fn(table, lq=lq, lk=lk),
         "lambda_bias": lambda b, h, i, j: (i - j).double() * 0.25 + h,
-        "tensor_fn": mh.masks.tensor_fn(torch.randn(1, shape.h, lq, lk, generator=g, dtype=torch.float64)),
+        "tensor_fn": mh.masks.tensor_fn(
+            torch.randn(1, shape.h, lq, lk, generator=g, dtype=torch.float64).to(DEVICE)
+        ),
     }
 
 
@@ -236,7 +239,22 @@ def cases(draw: st.DrawFn, *, most: int = 9) -> Case:
         "contiguous" if garbage is not None else draw(st.sampled_from(["contiguous", "strided", "expanded"]))
     )
     g = torch.Generator().manual_seed(seed + 1)
-    return Case(shape, seed, layout, draw(masks(shape, g)), draw(st.sampled_from(BACKENDS)), garbage)
+    return Case(
+        shape, seed, layout, on_device(draw(masks(shape, g))), draw(st.sampled_from(BACKENDS)), garbage
+    )
+
+
+def on_device(kwargs: dict) -> dict:
+    """Attention keywords with every tensor on :data:`DEVICE` (leaves that require grad stay leaves)."""
+
+    def move(x: object) -> object:
+        if isinstance(x, tuple):
+            return tuple(move(t) for t in x)
+        if not isinstance(x, torch.Tensor) or x.device == DEVICE:
+            return x
+        return x.detach().to(DEVICE).requires_grad_(x.requires_grad)
+
+    return {name: move(x) for name, x in kwargs.items()}
 
 
 # ------------------------------------------------------------------------------------------------

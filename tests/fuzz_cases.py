@@ -235,6 +235,7 @@ def cases(draw: st.DrawFn, *, most: int = 9) -> Case:
     shape = draw(shapes(most=most))
     seed = draw(st.integers(0, 2**31 - 1))
     garbage = draw(st.sampled_from([None, None, float("nan"), float("inf"), float("-inf"), 3e38]))
+    garbage = garbage if DEVICE.type == "cpu" else None  # on a GPU hidden keys must be finite (docs/masks.md)
     layout = (
         "contiguous" if garbage is not None else draw(st.sampled_from(["contiguous", "strided", "expanded"]))
     )

@@ -113,12 +113,18 @@ def unread_zeroed(
 
     ``keep`` (B|1, H|1, Lq|1, Lk|1) bool and ``bias`` (B|1, H|1, Lq|1, Lk|1) as in a dense
     :class:`~multihead.core.masks.Normalized` (dead rows re-opened, ``row_ok`` (B|1, H|1, Lq|1, 1) False on
-    them). Cheap where there is nothing to do: no mask, or (on the CPU) hidden keys that are finite and
-    small enough that no score overflows -- a look at those keys only, no copy of K or V."""
+    them). Cheap where there is nothing to do: no mask, or hidden keys that are finite and small enough that
+    no score overflows -- a look at those keys only, no copy of K or V.
+
+    K and V are looked at on the CPU only (outside tracing): elsewhere the look would make the host wait
+    for the device on every masked call, and zeroing without a look would copy K and V on every one (a
+    decode step's whole cost, twice); there hidden keys must hold finite values, as for torch's kernels."""
     if row_ok is not None:
         q = q.masked_fill(~row_ok, 0.0)  # (B, H, Lq, Dk): a dead row's query reads nothing
+    if not _on_host(k):
+        return q, k, v
     dead = _hidden_keys(keep, bias, row_ok, k.shape[1])  # (B|1, Hkv|1, Lk, 1) or None
-    if dead is None or (_on_host(k) and _harmless(q, k, v, dead, scale)):
+    if dead is None or _harmless(q, k, v, dead, scale):
         return q, k, v
     return q, k.masked_fill(dead, 0.0), v.masked_fill(dead, 0.0)
 
@@ -141,7 +147,7 @@ def _hidden_keys(keep: Tensor | None, bias: Tensor | None, row_ok: Tensor | None
     b, h, lk = dead.shape
     if h > 1:
         dead = dead.view(b, hkv, h // hkv, lk).all(dim=2)  # (B|1, Hkv, Lk): hidden from all G heads
-    if _on_host(dead) and not bool(dead.any()):
+    if not bool(dead.any()):
         return None
     return dead.unsqueeze(-1)  # (B|1, Hkv|1, Lk, 1)
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
+from torch.nn.attention.flex_attention import create_block_mask
 
 import multihead as mh
 from multihead.core import backends
@@ -190,12 +191,20 @@ class Case:
 def masks(draw: st.DrawFn, shape: Shape, g: torch.Generator, *, functions: bool = True) -> dict:
     """Random attention keywords for ``shape``: any combination of every mask kind and option."""
     s, kw = shape, {}
-    mask_kind = draw(st.sampled_from(["none", "bool", "fn"] if functions else ["none", "bool"]))
-    if mask_kind == "bool":
+    kinds = ["none", "bool", "fn", "fn", "block_mask"] if functions else ["none", "bool"]
+    mask_kind = draw(st.sampled_from(kinds))
+    if mask_kind == "block_mask" and s.b and s.lq and s.lk:  # FlexAttention's own, as its users hold it
+        fn = _mask_fns(s, g)[draw(st.sampled_from(sorted(_mask_fns(s, g))))]
+        size = draw(st.sampled_from([2, 4, 128]))
+        try:
+            kw["mask"] = create_block_mask(fn, s.b, s.h, s.lq, s.lk, device=DEVICE, BLOCK_SIZE=size)
+        except Exception:  # torch's create_block_mask refuses some mask_mods (vmap): then the function
+            kw["mask"] = fn
+    elif mask_kind in ("fn", "block_mask"):
+        kw["mask"] = _mask_fns(s, g)[draw(st.sampled_from(sorted(_mask_fns(s, g))))]
+    elif mask_kind == "bool":
         keep = draw(st.sampled_from([0.2, 0.6, 0.95]))
         kw["mask"] = torch.rand(_broadcast_shape(draw, s.target), generator=g) < keep
-    elif mask_kind == "fn":
-        kw["mask"] = _mask_fns(s, g)[draw(st.sampled_from(sorted(_mask_fns(s, g))))]
     bias_kind = draw(st.sampled_from(["none", "tensor", "fn"] if functions else ["none", "tensor"]))
     if bias_kind == "tensor":
         bias = torch.randn(_broadcast_shape(draw, s.target), generator=g, dtype=torch.float64)

@@ -170,3 +170,12 @@ def test_drop_in_mismatches_are_torch_assertion_errors(shapes):
         m(*(torch.randn(s) for s in shapes))
     with pytest.raises(AssertionError):  # what code written for torch catches
         m(*(torch.randn(s) for s in shapes))
+
+
+@pytest.mark.parametrize("backend", ["auto", "blocked", "math", "sdpa"])
+def test_a_block_mask_for_an_empty_batch(backend):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    bm = create_block_mask(lambda b, h, i, j: i >= j, 0, 2, 3, 3, device="cpu", BLOCK_SIZE=8)
+    q, k, v = make_qkv(0, 2, 2, 3, 3, 4, 4)
+    assert mh.attention(q, k, v, mask=bm, backend=backend).shape == (0, 2, 3, 4)

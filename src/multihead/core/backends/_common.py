@@ -10,6 +10,8 @@ copied G times.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -106,27 +108,31 @@ def unread_zeroed(
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """q (B, H, Lq, Dk), k (B, Hkv, Lk, Dk), v (B, Hkv, Lk, Dv) with what no allowed (query, key) pair reads
-    set to 0: the keys and values hidden from every query of their batch row and kv head (padding, a
-    cache's unused slots), and the queries of rows with no allowed key -- so whatever they hold (NaN, Inf,
-    a finite value whose score overflows) never reaches an output or a gradient through a kernel's
-    ``score + (-inf)`` or ``0 * value``.
+    set to 0 where it could reach a result: the keys and values hidden from every query of their batch row
+    and kv head (padding, a cache's unused slots), and the queries of rows with no allowed key -- so
+    whatever they hold (NaN, Inf, a finite value whose score overflows) never reaches an output or a
+    gradient through a kernel's ``score + (-inf)``, ``0 * value`` or a re-opened dead row.
 
     ``keep`` (B|1, H|1, Lq|1, Lk|1) bool and ``bias`` (B|1, H|1, Lq|1, Lk|1) as in a dense
     :class:`~multihead.core.masks.Normalized` (dead rows re-opened, ``row_ok`` (B|1, H|1, Lq|1, 1) False on
-    them). Cheap where there is nothing to do: no mask, or hidden keys that are finite and small enough that
-    no score overflows -- a look at those keys only, no copy of K or V.
+    them). Looks before it copies: the hidden keys and dead queries are read (a gather of those alone, the
+    largest |q| -- and |k| where rows are dead -- for the overflow bound, one host read), and copied zeroed
+    only when they hold non-finite or overflowing values.
 
-    K and V are looked at on the CPU only (outside tracing): elsewhere the look would make the host wait
-    for the device on every masked call, and zeroing without a look would copy K and V on every one (a
-    decode step's whole cost, twice); there hidden keys must hold finite values, as for torch's kernels."""
-    if row_ok is not None:
-        q = q.masked_fill(~row_ok, 0.0)  # (B, H, Lq, Dk): a dead row's query reads nothing
+    On the CPU only (outside tracing): elsewhere the look would make the host wait for the device on every
+    masked call, and zeroing without it would copy K and V on every one (a decode step's whole cost,
+    twice); there hidden keys and dead queries must hold finite values, as for torch's kernels."""
     if not _on_host(k):
         return q, k, v
     dead = _hidden_keys(keep, bias, row_ok, k.shape[1])  # (B|1, Hkv|1, Lk, 1) or None
-    if dead is None or _harmless(q, k, v, dead, scale):
+    if dead is None and row_ok is None:
         return q, k, v
-    return q, k.masked_fill(dead, 0.0), v.masked_fill(dead, 0.0)
+    keys_ok, rows_ok = _harmless(q, k, v, dead, row_ok, scale)
+    if not rows_ok:
+        q = q.masked_fill(~row_ok, 0.0)  # (B, H, Lq, Dk): a dead row's query reads nothing
+    if not keys_ok:
+        k, v = k.masked_fill(dead, 0.0), v.masked_fill(dead, 0.0)
+    return q, k, v
 
 
 def _on_host(t: Tensor) -> bool:
@@ -152,14 +158,29 @@ def _hidden_keys(keep: Tensor | None, bias: Tensor | None, row_ok: Tensor | None
     return dead.unsqueeze(-1)  # (B|1, Hkv|1, Lk, 1)
 
 
-def _harmless(q: Tensor, k: Tensor, v: Tensor, dead: Tensor, scale: float) -> bool:
-    """Whether the hidden keys and values are finite and no score with them can overflow (the product of
-    the largest |q| and |k| entries, times Dk and |scale|, is finite): read at those keys only."""
-    at = dead.squeeze(-1).expand(k.shape[0], k.shape[1], k.shape[2])  # (B, Hkv, Lk)
-    kd, vd = k.detach()[at], v.detach()[at]  # (n, Dk), (n, Dv): the hidden keys alone
-    if not (bool(torch.isfinite(vd).all()) and bool(torch.isfinite(kd).all())):
-        return False
-    if kd.numel() == 0 or q.numel() == 0:
-        return True
-    bound = float(kd.abs().amax()) * float(q.detach().abs().amax()) * k.shape[3] * abs(scale)
-    return bound < torch.finfo(q.dtype).max / 4
+def _harmless(
+    q: Tensor, k: Tensor, v: Tensor, dead: Tensor | None, row_ok: Tensor | None, scale: float
+) -> tuple[bool, bool]:
+    """(the hidden keys are harmless, the dead rows' queries are): finite, and no score with them can
+    overflow (the largest |entries| of its two factors, times Dk and |scale|, stay finite)."""
+    q, k, v = q.detach(), k.detach(), v.detach()
+    parts = [_largest(q)]
+    if dead is not None:
+        at = dead.squeeze(-1).expand(k.shape[0], k.shape[1], k.shape[2])  # (B, Hkv, Lk)
+        parts += [_largest(k[at]), _largest(v[at])]  # the hidden keys alone
+    if row_ok is not None:
+        rows = (~row_ok).squeeze(-1).expand(q.shape[0], q.shape[1], q.shape[2])  # (B, H, Lq)
+        parts += [_largest(q[rows]), _largest(k)]  # a dead row sees every key
+    top = torch.stack(parts).tolist()  # one read on the host
+    factor, limit = k.shape[3] * abs(scale), torch.finfo(q.dtype).max / 4
+    keys_ok = dead is None or (top[2] < math.inf and top[1] * top[0] * factor < limit)
+    rows_ok = row_ok is None or top[-2] * top[-1] * factor < limit
+    return keys_ok, rows_ok
+
+
+def _largest(t: Tensor) -> Tensor:
+    """max |t| as a 0-d float64 tensor (0 for an empty one; NaN if t holds one), in one pass."""
+    if t.numel() == 0:
+        return torch.zeros((), dtype=torch.float64, device=t.device)
+    lo, hi = torch.aminmax(t)
+    return torch.maximum(-lo, hi).double()

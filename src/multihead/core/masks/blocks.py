@@ -175,7 +175,12 @@ def _from_flex(block_mask: object, target: tuple[int, int, int, int]) -> BlockMa
     partial, full = partial.cpu(), full.cpu()
 
     def block_mask(bi: Tensor, hi: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        at = (bi if mb > 1 else 0, hi if mh > 1 else 0, q_idx // bq, kv_idx // bk)
+        at = (
+            bi if mb != 1 else 0,
+            hi if mh != 1 else 0,
+            q_idx // bq,
+            kv_idx // bk,
+        )  # (B = 0: indexed as given)
         p, f = partial.to(q_idx.device)[at], full.to(q_idx.device)[at]
         return f | (p & mask_mod(bi, hi, q_idx, kv_idx))
 

@@ -65,7 +65,7 @@ test: lint smoke browser
 	$(PY) -m pytest -q -n 2 --dist worksteal --durations=10
 	$(PY) tests/cpu_kernels.py
 
-# the fuzz suite's long run, before a release: tests/test_fuzz*.py with 40x the examples of `make test`'s
+# the fuzz suite's long run, before a release: tests/test_fuzz*.py with 25x the examples of `make test`'s
 # fixed-seed part, random seeds (hypothesis profile multihead-fuzz-long, tests/fuzz_cases.py); minutes
 fuzz: $(STAMP)
 	MULTIHEAD_FUZZ=long $(PY) -m pytest -q -n 2 -p no:cacheprovider --hypothesis-show-statistics tests/test_fuzz*.py

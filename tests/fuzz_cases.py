@@ -28,7 +28,7 @@ from multihead.core.options import AttentionOptions
 
 LONG = os.environ.get("MULTIHEAD_FUZZ") == "long"
 DEVICE = torch.device(os.environ.get("MULTIHEAD_FUZZ_DEVICE", "cpu"))  # a GPU run: MULTIHEAD_FUZZ_DEVICE=cuda
-LONG_FACTOR = 40  # examples of the long run per example of the fixed-seed one
+LONG_FACTOR = 25  # examples of the long run per example of the fixed-seed one
 settings.register_profile(
     "multihead-fuzz",
     derandomize=True,

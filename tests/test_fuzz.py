@@ -69,19 +69,19 @@ def check_case(case: Case) -> None:
             close(a, b, f"gradient {i} of {case.describe()}")
 
 
-@fuzz(120)
+@fuzz(80)
 @given(cases())
 def test_every_backend_agrees_with_the_reference_or_refuses_by_name(case):
     check_case(case)
 
 
-@fuzz(25)
+@fuzz(15)
 @given(cases(most=40))
 def test_longer_rows_cross_the_backends_tiles(case):
     check_case(case)
 
 
-@fuzz(40)
+@fuzz(25)
 @given(st.data())
 def test_hidden_garbage_reaches_nothing(data):
     case = data.draw(cases())

@@ -117,7 +117,7 @@ def _spoiled(s: Shape, kw: dict, name: str, spoil: Spoil) -> dict:
     return out
 
 
-@fuzz(150)
+@fuzz(100)
 @given(st.data())
 def test_a_spoiled_argument_is_named(data):
     name, spoil = data.draw(st.sampled_from(SPOILS))

@@ -51,7 +51,7 @@ def keras_calls(draw):
     return layer, query, value, key, call
 
 
-@fuzz(15)
+@fuzz(10)
 @given(keras_calls())
 def test_the_keras_layer_equals_keras(case):
     layer, query, value, key, call = case

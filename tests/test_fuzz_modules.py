@@ -81,7 +81,7 @@ def module_calls(draw):
     return config, draw(st.integers(0, 100)), inputs, kw, draw(st.sampled_from(BACKENDS))
 
 
-@fuzz(60)
+@fuzz(40)
 @given(module_calls())
 def test_module_on_every_backend_equals_the_module_on_the_reference(call):
     config, seed, inputs, kw, backend = call
@@ -106,7 +106,7 @@ def test_module_on_every_backend_equals_the_module_on_the_reference(call):
                 close(a, b_, f"gradient of {name}")
 
 
-@fuzz(40)
+@fuzz(25)
 @given(module_configs(), st.lists(st.integers(1, 3), min_size=1, max_size=4), st.integers(1, 2), st.data())
 def test_decoding_with_a_cache_equals_one_causal_pass(config, steps, b, data):
     config = {**config, "kdim": None, "vdim": None}
@@ -236,7 +236,7 @@ def torch_calls(draw):
     return e, h, flags, (q, k, v), kw, draw(st.integers(0, 100))
 
 
-@fuzz(80)
+@fuzz(50)
 @given(torch_calls())
 def test_the_drop_in_equals_torch(call):
     e, h, flags, (q, k, v), kw, seed = call

@@ -273,3 +273,31 @@ def test_a_spoiled_cache_argument_is_named(spoil):
     with no_hang(), pytest.raises((ValueError, TypeError)) as info:
         mh.KVCache(**bad)
     assert names_the_argument(info.value, name), repr(info.value)
+
+
+DROP_IN_SPOILS = [
+    ("query", lambda q, k, v: {"query": q[0, 0]}),  # 1-D
+    ("key", lambda q, k, v: {"key": k[..., :-1]}),
+    ("value", lambda q, k, v: {"value": v[:, :-1]}),
+    ("value", lambda q, k, v: {"value": v[..., :-1]}),
+    ("key_padding_mask", lambda q, k, v: {"key_padding_mask": torch.zeros(2, 9, dtype=torch.bool)}),
+    ("key_padding_mask", lambda q, k, v: {"key_padding_mask": torch.zeros(2, 4, 4, dtype=torch.bool)}),
+    ("attn_mask", lambda q, k, v: {"attn_mask": torch.zeros(5, 5, dtype=torch.bool)}),
+    ("attn_mask", lambda q, k, v: {"attn_mask": torch.zeros(1, 1, 3, 4, dtype=torch.bool)}),
+    ("attn_mask", lambda q, k, v: {"attn_mask": torch.zeros(3, 4, dtype=torch.float16)}),
+    ("is_causal", lambda q, k, v: {"is_causal": True}),
+]
+
+
+@fuzz(30)
+@given(st.sampled_from(DROP_IN_SPOILS), st.booleans())
+def test_a_spoiled_drop_in_argument_is_named(spoil, batch_first):
+    name, make = spoil
+    q, k, v = torch.randn(2, 3, 4), torch.randn(2, 4, 4), torch.randn(2, 4, 4)  # (N, L, E), batch first
+    if not batch_first:
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # (L, N, E)
+    m = DropIn(4, 2, batch_first=batch_first)
+    kw = {"query": q, "key": k, "value": v, **make(q, k, v)}
+    with no_hang(), pytest.raises((ValueError, TypeError)) as info:
+        m(**kw)
+    assert names_the_argument(info.value, name), repr(info.value)

@@ -1,7 +1,9 @@
 # Two commands do everything on a fresh machine:
 #   make demo   create .venv, install, run the end-to-end demo
-#   make test   create .venv, install, lint, smoke-test the built wheel, run the test suite, and its
-#               numerics tests again under every other CPU kernel torch may pick here (tests/cpu_kernels.py)
+#   make test   create .venv, install, lint, build the documentation site (strict), smoke-test the built
+#               wheel, run the test suite, and its numerics tests again under every other CPU kernel torch
+#               may pick here (tests/cpu_kernels.py)
+#   make docs   the documentation site alone, into build/site/ (docs/development.md)
 # and CI (.ci/run) runs one more:
 #   make test-floor   the suite on the OLDEST torch and Keras that pyproject.toml allows, and the newest
 #                     transformers release on the package index (README.md, "Tested versions")
@@ -15,7 +17,7 @@ PIP := -m pip install -q --disable-pip-version-check
 SMOKE := build/smoke
 TORCH_PIN := $(shell grep -E '^torch==' requirements-dev.txt)
 
-.PHONY: venv demo test lint wheel smoke bench clean browser test-floor
+.PHONY: venv demo test lint docs wheel smoke bench clean browser test-floor
 
 venv: $(STAMP)
 
@@ -37,6 +39,11 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# the API reference and the guides (mkdocs.yml), offline; strict: a broken link or docstring reference, or a
+# public name without a docstring, fails (docs/_mkdocs/). NO_MKDOCS_2_WARNING: the theme's banner about MkDocs 2
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir build/site
 
 wheel: $(STAMP)
 	rm -rf dist
@@ -61,7 +68,7 @@ browser:
 
 # the suite runs under the CPU kernels torch picks here; tests/cpu_kernels.py then reruns the tests marked
 # `numerics` (those that compare with the float64 reference) under every other ATEN_CPU_CAPABILITY the CPU has
-test: lint smoke browser
+test: lint docs smoke browser
 	$(PY) -m pytest -q -n 2 --dist worksteal --durations=10
 	$(PY) tests/cpu_kernels.py
 

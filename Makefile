@@ -43,7 +43,7 @@ lint: $(STAMP)
 # the API reference and the guides (mkdocs.yml), offline; strict: a broken link or docstring reference, or a
 # public name without a docstring, fails (docs/_mkdocs/). NO_MKDOCS_2_WARNING: the theme's banner about MkDocs 2
 docs: $(STAMP)
-	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir build/site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site
 
 wheel: $(STAMP)
 	rm -rf dist

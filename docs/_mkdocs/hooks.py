@@ -85,6 +85,11 @@ def _public(obj: griffe.Object) -> list[griffe.Object]:
 def undocumented(path: str) -> tuple[str, ...]:
     """Paths under ``path`` (one API page's object) of public functions and classes without a docstring."""
     obj = _package()[path.removeprefix("multihead.")] if path != "multihead" else _package()
+    return missing_docstrings(obj)
+
+
+def missing_docstrings(obj: griffe.Object) -> tuple[str, ...]:
+    """Paths of ``obj`` and the public functions and classes under it that have no docstring."""
     obj = obj.final_target if obj.is_alias else obj
     missing, todo, seen = [], [obj], set()
     while todo:

@@ -12,10 +12,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PIP := -m pip install -q --disable-pip-version-check
-# the wheel's smoke test: a fresh venv (not even pip) with torch (the pin of requirements-dev.txt) and the
-# wheel with its declared dependencies, installed by .venv's pip; --no-compile: no .pyc for all of torch
+# the wheel's smoke test: a fresh venv (not even pip) that sees .venv's torch and torch's own dependencies
+# and nothing else (tests/smoke_env.py links them: no second install of torch, no second compile of it), and
+# the wheel with its declared dependencies, installed by .venv's pip
 SMOKE := build/smoke
-TORCH_PIN := $(shell grep -E '^torch==' requirements-dev.txt)
 
 .PHONY: venv demo test lint docs wheel smoke bench clean browser test-floor
 
@@ -52,8 +52,9 @@ wheel: $(STAMP)
 smoke: wheel
 	@start=$$(date +%s); \
 	rm -rf $(SMOKE) && $(PYTHON) -m venv --without-pip $(SMOKE)/venv && \
+	$(PY) tests/smoke_env.py $(SMOKE)/venv && \
 	$(PY) -m pip --python $(SMOKE)/venv/bin/python install -q --disable-pip-version-check --no-compile \
-	  "$(TORCH_PIN)" dist/multihead-*.whl && \
+	  dist/multihead-*.whl && \
 	cd $(SMOKE) && venv/bin/python -W "ignore:Failed to initialize NumPy" ../../tests/wheel_smoke.py; \
 	status=$$?; rm -rf $(CURDIR)/$(SMOKE); \
 	echo "wheel build + fresh venv + install + smoke test: $$(( $$(date +%s) - start )) s"; exit $$status

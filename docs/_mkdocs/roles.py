@@ -7,6 +7,7 @@ way a reader would: the written path as absolute, then inside the enclosing clas
 package above it. A resolved one becomes an optional autoref (a link where the reference documents that
 name, plain code where it does not, e.g. a private module); a name of another library (torch, transformers,
 ...) stays code; anything else is reported as a warning, which the strict build turns into a failure.
+reST's ``text::`` before an indented block (which Markdown shows as code anyway) loses one colon.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import griffe
 
 log = logging.getLogger("mkdocs.hooks.multihead.roles")
 ROLE = re.compile(r":(?:py:)?(func|class|meth|mod|data|attr|exc|obj|const|type):`(~?)([^`<>]+?)`")
+LITERAL = re.compile(r"(?<=\S)::$", flags=re.M)  # reST's "text::" before an indented block: shown as "text:"
 OTHER_LIBRARIES = ("torch", "transformers", "keras", "numpy", "jax", "tensorflow", "safetensors", "onnx")
 OTHER_LIBRARIES += ("onnxruntime", "matplotlib", "typing", "collections", "dataclasses", "functools", "math")
 OTHER_LIBRARIES += tuple(dir(builtins))  # ImportError, dict, ...
@@ -35,7 +37,8 @@ class SphinxRoles(griffe.Extension):
         while todo:
             obj = todo.pop()
             if obj.docstring is not None:
-                obj.docstring.value = ROLE.sub(lambda m, o=obj: _link(o, pkg, m), obj.docstring.value)
+                value = ROLE.sub(lambda m, o=obj: _link(o, pkg, m), obj.docstring.value)
+                obj.docstring.value = LITERAL.sub(":", value)
             todo += [m for m in obj.members.values() if not m.is_alias]
 
 

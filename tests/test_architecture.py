@@ -150,7 +150,7 @@ def _in(module: str, areas: tuple[str, ...]) -> bool:
 
 
 # Layering: (the modules the rule is about, what they must not import, why)
-_ABOVE_CORE = ("nn", "transformer", "heads", "viz", "distributed", "compat", "integrations")
+_ABOVE_CORE = ("nn", "transformer", "heads", "viz", "lens", "distributed", "compat", "integrations")
 _TOOLS = ("bench", "demo", "cli", "commands", "export", "testing")
 LAYER_RULES = [
     (
@@ -161,7 +161,8 @@ LAYER_RULES = [
     (
         f"{PACKAGE}.nn",
         tuple(
-            f"{PACKAGE}.{m}" for m in ("distributed", "heads", "viz", "compat", "integrations", "transformer")
+            f"{PACKAGE}.{m}"
+            for m in ("distributed", "heads", "viz", "lens", "compat", "integrations", "transformer")
         ),
         "the modules know only the core; ring attention and inspection plug in through nn.seam",
     ),
@@ -172,7 +173,7 @@ RANKS = {
     "progress": 0,  # the tools' progress bar: imports nothing of multihead
     "core": 0,
     "nn": 1,
-    **dict.fromkeys(("transformer", "heads", "viz", "distributed"), 2),
+    **dict.fromkeys(("transformer", "heads", "viz", "lens", "distributed"), 2),
     **dict.fromkeys(
         ("", "compat", "integrations", "checkpoint"), 3
     ),  # "": the package's __init__, the public names
@@ -286,7 +287,7 @@ HEAVY = ("matplotlib", "keras", "tensorflow", "jax", "transformers", "onnx", "on
 LIGHT_IMPORTS = {
     "package": "multihead",
     # each extra is imported where it is used (a plot, a Keras layer, an export), not on import
-    "torch-only parts": "multihead.heads, multihead.viz, multihead.distributed, multihead.compat.torch, "
+    "torch-only parts": "multihead.heads, multihead.viz, multihead.lens, multihead.distributed, multihead.compat.torch, "
     "multihead.compat.d2l, multihead.testing, multihead.export, multihead.cli",
 }
 

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple, overload
 from torch import Tensor, nn
 
 from ..core.attention import attention
+from ..heads.naming import Projection, register_family
 from ..nn import seam
 from ..nn.attention import MultiHeadAttention as _CoreMHA
 from ..nn.attention import merge_heads, split_heads
@@ -55,6 +56,7 @@ class DotProductAttention(nn.Module):
         self._weights: Tensor | None = None
         self.attention_fn: seam.AttentionFn = attention  # the seam's contract (multihead.nn.seam.attend)
         self.backend = "auto"
+        self.num_heads = 1  # what the head tools read; MultiHeadAttention sets its own
 
     @property
     def attention_weights(self) -> Tensor:
@@ -198,6 +200,7 @@ class MultiHeadAttention(nn.Module):
             )
         self.num_heads = num_heads
         self.attention = DotProductAttention(dropout, keep_weights=keep_weights)
+        self.attention.num_heads = num_heads
         key_size, query_size, value_size = (None, None, None) if sizes is None else sizes
         self.W_q = _linear(query_size, num_hiddens, bias)
         self.W_k = _linear(key_size, num_hiddens, bias)
@@ -226,3 +229,45 @@ class MultiHeadAttention(nn.Module):
         bs = [None if m.bias is None else m.bias.detach() for m in (self.W_q, self.W_k, self.W_v, self.W_o)]
         state = from_shared(SharedWeights(*ws, *bs))
         return module_from_state(state, self.num_heads).train(self.training)
+
+
+class D2LFamily:
+    """The :class:`multihead.heads.HeadFamily` of the d2l drop-in: its :class:`DotProductAttention` is the
+    module that calls the seam (capture, head masks, importance and :mod:`multihead.lens` see it by that
+    name, e.g. ``"attention"`` inside a :class:`MultiHeadAttention`); ``W_o`` of the layer holding it is the
+    output projection. Pruning goes through :meth:`MultiHeadAttention.to_multihead`."""
+
+    name = "d2l"
+
+    def owns(self, module: nn.Module) -> bool:
+        return isinstance(module, DotProductAttention)
+
+    def heads(self, module: nn.Module) -> tuple[int, int]:
+        return module.num_heads, module.num_heads  # type: ignore[return-value]
+
+    def kind(self, name: str, module: nn.Module) -> str | None:
+        return None
+
+    def check_routed(self, model: nn.Module) -> None:
+        return None
+
+    def check_prunable(self, name: str, module: nn.Module) -> None:
+        raise ValueError(
+            f"{name!r} is a d2l DotProductAttention, which multihead cannot prune in place: convert its layer "
+            f"with MultiHeadAttention.to_multihead() and prune that"
+        )
+
+    def reshape(
+        self, model: nn.Module, name: str, module: nn.Module, q_heads: list[int], kv_heads: list[int]
+    ) -> None:
+        self.check_prunable(name, module)
+
+    def output_projection(self, model: nn.Module, name: str, module: nn.Module) -> Projection | None:
+        parent = model.get_submodule(name.rpartition(".")[0]) if name else None
+        if isinstance(parent, MultiHeadAttention) and parent.attention is module:
+            return Projection(parent.W_o)
+        return None  # a bare DotProductAttention has no output projection
+
+
+FAMILY = register_family(D2LFamily())
+"""The registered family: the head tools and the lens act on the d2l drop-in."""

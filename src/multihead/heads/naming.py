@@ -9,7 +9,7 @@ which registers its family when imported). Inspection code reads heads only thro
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from torch import Tensor, nn
 
@@ -23,6 +23,26 @@ HeadSpec = Mapping[str, Iterable[int]] | Iterable[int]
 # ------------------------------------------------------------------------------------------------
 # Families of attention modules from other libraries
 # ------------------------------------------------------------------------------------------------
+
+
+class Projection(NamedTuple):
+    """An attention module's output projection: the layer its merged heads (B, Lq, H*Dv) go through.
+
+    ``transposed``: the layer stores its weight (in, out) (transformers' ``Conv1D``) instead of
+    ``nn.Linear``'s (out, in). :meth:`weight` is (O, H*Dv) either way.
+    """
+
+    module: nn.Module
+    transposed: bool = False
+
+    def weight(self) -> Tensor:
+        """(O, H*Dv): what ``F.linear`` takes."""
+        w = self.module.weight
+        return w.T if self.transposed else w
+
+    def bias(self) -> Tensor | None:
+        """(O,) or None."""
+        return getattr(self.module, "bias", None)
 
 
 class HeadFamily(Protocol):
@@ -58,6 +78,12 @@ class HeadFamily(Protocol):
         self, model: nn.Module, name: str, module: nn.Module, q_heads: list[int], kv_heads: list[int]
     ) -> None:
         """Keep query heads ``q_heads`` and key/value heads ``kv_heads`` (repeats allowed), in that order."""
+        ...
+
+    def output_projection(self, model: nn.Module, name: str, module: nn.Module) -> Projection | None:
+        """The layer ``module``'s merged heads go through (``name``: its name in ``model``), or None where the
+        family does not know it (then :mod:`multihead.lens` refuses the point ``"result"`` by name).
+        Optional: a family without this method knows none."""
         ...
 
 
@@ -105,6 +131,16 @@ def module_heads(module: nn.Module) -> tuple[int, int]:
     if family is None:
         raise TypeError(f"{type(module).__name__} is not an attention module multihead knows")
     return family.heads(module)
+
+
+def output_projection(model: nn.Module, name: str, module: nn.Module) -> Projection | None:
+    """The output projection of attention module ``name`` of ``model`` (its merged heads (B, Lq, H*Dv) go
+    through it): ``out_proj`` of a :class:`MultiHeadAttention`, its family's answer otherwise (None: unknown)."""
+    if isinstance(module, MultiHeadAttention):
+        return Projection(module.out_proj)
+    family = family_of(module)
+    find = getattr(family, "output_projection", None)
+    return None if find is None else find(model, name, module)
 
 
 def module_kind(name: str, module: nn.Module) -> str:

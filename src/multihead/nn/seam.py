@@ -120,9 +120,9 @@ def _wants_points(inspectors: tuple[Inspector, ...]) -> bool:
     return False
 
 
-def _wants_weights(inspectors: tuple[Inspector, ...]) -> bool:
+def _wants_weights(inspectors: tuple[Inspector, ...], module: object) -> bool:
     for inspector in inspectors:
-        if inspector.wants_weights:
+        if inspector.weights_for(module):  # type: ignore[arg-type]
             return True
     return False
 
@@ -131,10 +131,21 @@ class Inspector:
     """Base class: override :meth:`on_heads`. ``wants_weights`` makes every module compute weights.
 
     ``points`` (a subset of :data:`POINTS`) makes :func:`attend` call :meth:`on_point` with each of them.
+    An inspector that wants points or weights of some modules only overrides :meth:`points_for` and
+    :meth:`weights_for` (then a module it does not ask about keeps its fast path): ``points`` must still
+    hold every point it may ask for, which is what tells :func:`attend` to look.
     """
 
     wants_weights: bool = False
     points: frozenset[str] = frozenset()
+
+    def points_for(self, module: nn.Module) -> frozenset[str]:
+        """The points this inspector wants of ``module``'s call (default: :attr:`points`, every module)."""
+        return self.points
+
+    def weights_for(self, module: nn.Module) -> bool:
+        """Whether ``module``'s call must compute weights for this inspector (default: :attr:`wants_weights`)."""
+        return self.wants_weights
 
     def on_point(self, module: nn.Module, point: str, tensor: Tensor) -> Tensor | None:
         """``point`` one of ``self.points``: ``"q"`` (B, H, Lq, Dk), ``"k"`` (B, Hkv, Lk, Dk), ``"v"``
@@ -293,7 +304,7 @@ def attend(
     if inspectors and _wants_points(inspectors):
         return _attend_points(module, q, k, v, options, inspectors)
     asked = options.return_weights
-    if not asked and _wants_weights(inspectors):
+    if not asked and inspectors and _wants_weights(inspectors, module):
         options = options.replace(return_weights=True)
     # a module of another library (a Hugging Face attention module) carries neither: the defaults
     res = _compute(attention_fn_of(module), q, k, v, options, _read(module, "backend", "auto"))
@@ -306,7 +317,7 @@ def attend(
 def _visit(module: object, inspectors: tuple[Inspector, ...], point: str, tensor: Tensor) -> Tensor:
     """``tensor`` after every inspector that asks for ``point`` read or replaced it, outermost first."""
     for inspector in inspectors:
-        if point in inspector.points:
+        if point in inspector.points_for(module):  # type: ignore[arg-type]
             new = inspector.on_point(module, point, tensor)  # type: ignore[arg-type]
             if new is not None:
                 if not isinstance(new, Tensor) or new.shape != tensor.shape:
@@ -360,7 +371,7 @@ def _attend_points(
     asked = options.return_weights
     fn = attention_fn_of(module)
     backend = _read(module, "backend", "auto")
-    inner = any(point in i.points for i in inspectors for point in INNER_POINTS)
+    inner = any(point in i.points_for(module) for i in inspectors for point in INNER_POINTS)  # type: ignore[arg-type]
     if inner:
         _explicit_path(module, fn, backend)
         res = reference_with(
@@ -371,7 +382,7 @@ def _attend_points(
             lambda point, tensor: _visit(module, inspectors, point, tensor),
         )
     else:
-        if not asked and _wants_weights(inspectors):
+        if not asked and _wants_weights(inspectors, module):
             options = options.replace(return_weights=True)
         res = _compute(fn, q, k, v, options, backend)
     heads, weights = output_and_weights(res)  # (B, H, Lq, Dv), (B, H, Lq, Lk) | None

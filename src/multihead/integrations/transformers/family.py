@@ -11,7 +11,7 @@ import torch
 import transformers
 from torch import Tensor, nn
 
-from ...heads.naming import register_family
+from ...heads.naming import Projection, register_family
 from ...heads.prune import head_rows
 from .internals import _calls_attention_interface
 from .models import check_model
@@ -77,6 +77,10 @@ CROSS_NAMES = ("encoder_attn", "EncDecAttention", "crossattention", "cross_attn"
 """Module-name parts transformers' families give cross-attention (BART/Whisper, T5, BERT, ...): a module
 whose name has one is ``"cross"`` to the inspection tools, whatever else its name says."""
 
+
+_OUTPUT_NAMES = ("o_proj", "out_proj")
+"""Output projections of the attention classes without an :class:`Arch` record (Gemma, Mistral's kin, gpt-oss,
+Cohere): the lens checks at run time that the layer is fed the merged heads."""
 
 _ATTENTION_CLASSES: dict[type, bool] = {}  # module class -> whether it calls the attention function
 
@@ -174,6 +178,17 @@ class TransformersFamily:
         cross = CROSS_NAMES + (arch.cross if arch is not None else ())
         if any(part in cross for part in name.split(".")):
             return "cross"
+        return None
+
+    def output_projection(self, model: nn.Module, name: str, module: nn.Module) -> Projection | None:
+        """The :class:`Arch` record's ``o``; for a class without one, its ``o_proj`` or ``out_proj`` Linear."""
+        arch = ARCHITECTURES.get(type(module).__name__)
+        if arch is not None:
+            return Projection(_out_proj(model, name, arch.o), transposed=arch.conv1d)
+        for attr in _OUTPUT_NAMES:
+            layer = getattr(module, attr, None)
+            if isinstance(layer, nn.Linear):
+                return Projection(layer)
         return None
 
     def check_routed(self, model: nn.Module) -> None:

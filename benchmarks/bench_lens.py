@@ -64,6 +64,7 @@ EDITS = ((3, 4, "z"), (17, 0, "z"), (25, 8, "q"))  # (layer, head, point zeroed)
 TL_SWEEP = tuple((layer, layer % 9) for layer in range(30))  # the heads TransformerLens's loop is timed on
 TARGETS = {"no_lens": 1.03, "cache": 0.97, "sweep": 0.25, "error": 2.0}
 NAME = "model.layers.{}.self_attn"
+LAST_ONLY = "multihead lens.patch_heads (270 heads), logits_to_keep=1"
 
 
 def ours_model(folder: str) -> torch.nn.Module:
@@ -237,26 +238,29 @@ def patching(model: torch.nn.Module, bridge: torch.nn.Module, pair: lens_peer.Pr
 
     clean, corrupted = {"input_ids": pair.clean}, {"input_ids": pair.corrupted}
 
-    def ours() -> torch.Tensor:
+    def ours(**keep: int) -> torch.Tensor:  # keep: logits_to_keep=1, the last position's logits only
         return torch.as_tensor(
-            lens.patch_heads(model, clean, corrupted, lambda out: pair.logit_diff(out.logits))
+            lens.patch_heads(model, clean | keep, corrupted | keep, lambda out: pair.logit_diff(out.logits))
         )
 
     tl_clean = lens_peer.clean_z(bridge, pair)
     steps = {
         "multihead lens.patch_heads (270 heads)": ours,
+        LAST_ONLY: lambda: ours(logits_to_keep=1),
         "TransformerLens clean run_with_cache": lambda: lens_peer.clean_z(bridge, pair),
         f"TransformerLens loop ({len(TL_SWEEP)} heads)": lambda: lens_peer.patch_loop(
             bridge, pair, tl_clean, TL_SWEEP
         ),
     }
     times = rounds(steps, n, "patching")
-    ours_t, clean_t, loop_t = (t["cpu"] for t in times.values())
+    ours_t, last_t, clean_t, loop_t = (t["cpu"] for t in times.values())
     heads = model.config.num_hidden_layers * model.config.num_attention_heads
     estimate = [c + loop * heads / len(TL_SWEEP) for c, loop in zip(clean_t, loop_t, strict=True)]
     ratio = _ratios(ours_t, estimate)
+    last = _ratios(last_t, estimate)
     with torch.no_grad():
         effects = ours()
+        same = float((ours(logits_to_keep=1) - effects).abs().max())
         peer = lens_peer.patch_loop(bridge, pair, tl_clean, TL_SWEEP)
         baseline = float(pair.logit_diff(model(pair.corrupted).logits)[0])
     mine = effects[[layer for layer, _ in TL_SWEEP], [head for _, head in TL_SWEEP]]
@@ -271,11 +275,13 @@ def patching(model: torch.nn.Module, bridge: torch.nn.Module, pair: lens_peer.Pr
         "ratio": ratio,
         "target": TARGETS["sweep"],
         "met": ratio["median"] <= TARGETS["sweep"],
+        "ratio_last_logits_only": last,
         "corrupted_logit_diff": baseline,
         "effects": effects.tolist(),
         "compared_heads": [list(h) for h in TL_SWEEP],
         "tl_effects": peer.tolist(),
         "ours_vs_tl": apart,
+        "last_logits_only_vs_all": same,
         "largest_change": float((peer - baseline).abs().max()),
     }
 

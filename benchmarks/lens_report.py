@@ -43,6 +43,9 @@ def _targets(r: dict) -> list[str]:
     ]
 
 
+LAST_ONLY = "multihead lens.patch_heads (270 heads), logits_to_keep=1"
+
+
 def _notes(r: dict) -> list[str]:
     nl, ca = r["no_lens"], r["cache"]
     return [
@@ -51,6 +54,12 @@ def _notes(r: dict) -> list[str]:
         f"processes of the same kind differ by {_s(nl['floor']['plain'], '.3f', 'x')} (plain 0 / plain 1) and "
         f"{_s(nl['floor']['lens'], '.3f', 'x')} (lens 0 / lens 1): where the weights landed in memory. "
         f"`multihead.lens` in the plain processes' modules at the end: {nl['lens_imported']['plain 0']}.",
+        "",
+        f"Patching: the same sweep with `logits_to_keep=1` in both inputs (a Hugging Face causal LM's own "
+        f"keyword: the unembedding only at the last position, all the metric reads; TransformerLens's patching "
+        f"function passes no such option on) {_s(r['patching']['cpu_seconds'][LAST_ONLY])} s, "
+        f"{_s(r['patching']['ratio_last_logits_only'], '.3f', 'x')} TransformerLens's loop (the same effects "
+        f"within {r['patching']['last_logits_only_vs_all']:.1e}).",
         "",
         f"Caching: `lens.cache` over our plain forward {_s(ca['over_plain_forward'], '.3f', 'x')}; "
         f"TransformerLens's plain forward {_s(ca['cpu_seconds']['TransformerLens forward'])} s, ours "

@@ -128,11 +128,13 @@ def figure(r: dict, path: Path) -> None:
         (
             "patching: clean z restores\nlog-prob of the repeat by",
             r["patching"]["effects_vs_corrupted"],
-            "magma",
+            "RdBu_r",
         ),
     )
     for ax, (title, values, cmap) in zip(axes, maps, strict=False):
-        im = ax.imshow(torch.tensor(values), aspect="auto", cmap=cmap)
+        v = torch.tensor(values)
+        span = float(v.abs().max()) if cmap == "RdBu_r" else None  # diverging: centred on 0
+        im = ax.imshow(v, aspect="auto", cmap=cmap, vmin=-span if span else None, vmax=span)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("head")
         ax.set_ylabel("layer")
@@ -152,8 +154,8 @@ def figure(r: dict, path: Path) -> None:
     ax.barh(range(5), values, xerr=spans, color=["grey", "tab:red", "tab:red", "tab:blue", "tab:blue"])
     ax.set_yticks(range(5), labels)
     ax.invert_yaxis()
-    ax.set_xlabel(f"loss on the repeated half (nats; random: mean of {DRAWS} draws, bar = range)")
-    ax.set_title("heads ablated", fontsize=10)
+    ax.set_xlabel("loss on the repeated half (nats)")
+    ax.set_title(f"heads ablated\n(random: mean and range of {DRAWS} draws)", fontsize=10)
     fig.suptitle(f"SmolLM2-135M-Instruct on {SEQ} random tokens repeated twice (red boxes: the top {TOP})")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -113,6 +113,58 @@ def patching(model: torch.nn.Module, bos: int) -> tuple[torch.Tensor, dict]:
     return torch.as_tensor(effects), base
 
 
+def encoder() -> dict:
+    """all-MiniLM-L6-v2 (BERT family, 6 layers x 12 heads) on 32 real sentences (the licence corpus of
+    ``benchmarks/data/corpora.py``), padded: each head's mean attention to the previous and to the next token
+    over the real tokens; and how far mean-pooled sentence embeddings move (1 - cosine) with the top
+    previous-token head zeroed, against :data:`DRAWS` random heads."""
+    import sys
+
+    import transformers as T
+
+    from multihead.integrations import transformers as mhtf
+    from multihead.testing import minilm_dir
+
+    mhtf.register()
+    sys.path.insert(0, str(ROOT / "data"))
+    import corpora  # real text the project did not write
+
+    tok = T.AutoTokenizer.from_pretrained(minilm_dir())
+    bert = T.AutoModel.from_pretrained(minilm_dir(), attn_implementation="multihead").eval()
+    batch = tok(corpora.sentences(corpora.licence_texts())[:32], padding=True, return_tensors="pt")
+    keep = batch["attention_mask"].clone()  # (B, L): real tokens, [CLS] and [SEP] excluded below
+    keep[:, 0] = 0
+    keep[torch.arange(len(keep)), keep.sum(1)] = 0  # [SEP]
+    with torch.no_grad(), lens.cache(bert, points=("pattern",)) as c:
+        base = bert(**batch).last_hidden_state
+    pattern = c.stack("pattern")  # (6, B, 12, L, L)
+    i = torch.arange(1, pattern.shape[-1] - 1)
+    w = keep[:, i].float()  # (B, L - 2)
+    diag = {"previous": pattern[..., i, i - 1], "next": pattern[..., i, i + 1]}  # (6, B, 12, L - 2)
+    score = {k: (v * w[None, :, None]).sum(dim=(1, 3)) / w.sum() for k, v in diag.items()}  # (6, 12)
+    heads = score["previous"].shape[1]
+    top = divmod(int(score["previous"].argmax()), heads)
+    g = torch.Generator().manual_seed(5)
+    draws = [divmod(int(x), heads) for x in torch.randperm(score["previous"].numel(), generator=g)[:DRAWS]]
+
+    def moved(layer: int, head: int) -> float:
+        with torch.no_grad(), lens.ablate(bert, {f"encoder.layer.{layer}.attention.self": [head]}):
+            out = bert(**batch).last_hidden_state
+        m = batch["attention_mask"][..., None]  # (B, L, 1)
+        pool = [(x * m).sum(1) / m.sum(1) for x in (base, out)]  # (B, E) each
+        return float(1 - torch.cosine_similarity(*pool).mean())
+
+    return {
+        "sentences": len(keep),
+        "previous": score["previous"].tolist(),
+        "next": score["next"].tolist(),
+        "top_previous": list(top),
+        "moved_top": moved(*top),
+        "random_heads": [list(d) for d in draws],
+        "moved_random": [moved(*d) for d in draws],
+    }
+
+
 def figure(r: dict, path: Path) -> None:
     """Induction scores, previous-token scores and patching effects as layers x heads pictures, and the
     ablation losses."""
@@ -198,8 +250,28 @@ def markdown(r: dict) -> str:
             f"{p['corrupted']:.2f} corrupted (first half other random tokens). The 10 heads whose clean z "
             f"restores it most: {patched}.",
             "",
+            *_encoder_lines(r["encoder"]),
         ]
     )
+
+
+def _encoder_lines(e: dict) -> list[str]:
+    prev, nxt = torch.tensor(e["previous"]), torch.tensor(e["next"])
+    heads = prev.shape[1]
+    best = {k: divmod(int(v.argmax()), heads) for k, v in (("previous", prev), ("next", nxt))}
+    above = {
+        k: [f"L{a}H{b}" for a, b in (v > 0.5).nonzero().tolist()]
+        for k, v in (("previous", prev), ("next", nxt))
+    }
+    return [
+        f"all-MiniLM-L6-v2 on {e['sentences']} licence sentences: the most previous-token head "
+        f"L{best['previous'][0]}H{best['previous'][1]} ({prev.max():.3f} of its attention on the token before), "
+        f"the most next-token head L{best['next'][0]}H{best['next'][1]} ({nxt.max():.3f} on the token after); "
+        f"heads above 0.5: previous {', '.join(above['previous'])}; next {', '.join(above['next'])}. Zeroing the "
+        f"top previous-token head moves the mean-pooled sentence embeddings by {e['moved_top']:.4f} (1 - cosine); "
+        f"{DRAWS} random heads: " + ", ".join(f"{x:.4f}" for x in e["moved_random"]) + ".",
+        "",
+    ]
 
 
 def main() -> int:
@@ -219,6 +291,7 @@ def main() -> int:
     top = [(i // heads, i % heads) for i in torch.topk(induction.flatten(), TOP).indices.tolist()]
     ablation = ablations(model, ids, top, bos)
     effects, base = patching(model, bos)
+    bert = encoder()
     r = {
         "when": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu": machine().words(),
@@ -229,6 +302,7 @@ def main() -> int:
         "ablation": ablation,
         "patching": base
         | {"batch": PATCH_BATCH, "effects_vs_corrupted": (effects - base["corrupted"]).tolist()},
+        "encoder": bert,
     }
     r["seconds"] = time.perf_counter() - start
     RESULTS.mkdir(exist_ok=True)

@@ -79,8 +79,9 @@ def loss(
         return float(-second_half_logprob(model(ids).logits, ids).mean())
 
 
-def ablations(model: torch.nn.Module, ids: torch.Tensor, top: list, bos: int) -> dict:
-    """The loss with nothing, the top heads and random heads ablated, zero and mean ablation."""
+def ablations(model: torch.nn.Module, ids: torch.Tensor, top: list, previous: tuple, bos: int) -> dict:
+    """The loss with nothing, the top heads, the top previous-token head alone and random heads ablated,
+    zero and mean ablation."""
     heads = model.config.num_attention_heads
     rest = [(i // heads, i % heads) for i in range(model.config.num_hidden_layers * heads)]
     rest = [h for h in rest if h not in top]
@@ -91,6 +92,7 @@ def ablations(model: torch.nn.Module, ids: torch.Tensor, top: list, bos: int) ->
     for how in ("zero", "mean"):
         out[how] = {
             "top": loss(model, ids, top, how, ref),
+            "previous": loss(model, ids, [previous], how, ref),
             "random": [loss(model, ids, d, how, ref) for d in draws],
         }
     return out
@@ -193,21 +195,25 @@ def figure(r: dict, path: Path) -> None:
         fig.colorbar(im, ax=ax, fraction=0.08)
     for layer, head in r["top"]:
         axes[0].add_patch(plt.Rectangle((head - 0.5, layer - 0.5), 1, 1, fill=False, ec="red", lw=1.5))
+    layer, head = r["previous_head"]
+    axes[1].add_patch(plt.Rectangle((head - 0.5, layer - 0.5), 1, 1, fill=False, ec="orange", lw=1.5))
     a, ax = r["ablation"], axes[3]
-    labels = (
-        ["none"]
-        + [f"{how}: top {TOP}" for how in ("zero", "mean")]
-        + [f"{how}: random {TOP}" for how in ("zero", "mean")]
-    )
-    values = [a["none"], a["zero"]["top"], a["mean"]["top"]] + [
-        sum(a[h]["random"]) / DRAWS for h in ("zero", "mean")
-    ]
-    spans = [0, 0, 0] + [(max(a[h]["random"]) - min(a[h]["random"])) / 2 for h in ("zero", "mean")]
-    ax.barh(range(5), values, xerr=spans, color=["grey", "tab:red", "tab:red", "tab:blue", "tab:blue"])
-    ax.set_yticks(range(5), labels)
+    prev = "L{}H{}".format(*r["previous_head"])
+    rows = [("none", [a["none"]], "grey")]
+    for how in ("zero", "mean"):
+        rows += [
+            (f"{how}: top {TOP}", [a[how]["top"]], "tab:red"),
+            (f"{how}: {prev} alone", [a[how]["previous"]], "tab:orange"),
+            (f"{how}: {TOP} random", a[how]["random"], "tab:blue"),
+        ]
+    for y, (_, xs, color) in enumerate(rows):
+        ax.barh(y, sorted(xs)[len(xs) // 2], color=color)  # the median
+        if len(xs) > 1:
+            ax.plot(xs, [y] * len(xs), "k.", ms=6)  # each draw
+    ax.set_yticks(range(len(rows)), [row[0] for row in rows])
     ax.invert_yaxis()
     ax.set_xlabel("loss on the repeated half (nats)")
-    ax.set_title(f"heads ablated\n(random: mean and range of {DRAWS} draws)", fontsize=10)
+    ax.set_title(f"heads ablated\n(random: median bar, dots: the {DRAWS} draws)", fontsize=10)
     fig.suptitle(f"SmolLM2-135M-Instruct on {SEQ} random tokens repeated twice (red boxes: the top {TOP})")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -244,7 +250,11 @@ def markdown(r: dict) -> str:
             "",
             f"Loss on the repeated half (nats): {a['none']:.2f} with every head; top {TOP} zeroed "
             f"{a['zero']['top']:.2f}, mean-ablated {a['mean']['top']:.2f}; {TOP} random other heads zeroed "
-            f"{fmt(a['zero']['random'])}, mean-ablated {fmt(a['mean']['random'])} ({DRAWS} draws).",
+            f"{fmt(a['zero']['random'])}, mean-ablated {fmt(a['mean']['random'])} ({DRAWS} draws: "
+            f"{'; '.join(' '.join(f'L{x}H{y}' for x, y in d) for d in a['random_heads'])}). The top previous-token "
+            f"head L{r['previous_head'][0]}H{r['previous_head'][1]} (previous-token score "
+            f"{r['previous'][r['previous_head'][0]][r['previous_head'][1]]:.3f}) alone: zeroed {a['zero']['previous']:.2f}, "
+            f"mean-ablated {a['mean']['previous']:.2f}.",
             "",
             f"Patching ({p['batch']} pairs): mean log-probability of the repeat {p['clean']:.2f} clean, "
             f"{p['corrupted']:.2f} corrupted (first half other random tokens). The 10 heads whose clean z "
@@ -289,7 +299,8 @@ def main() -> int:
     induction, previous = scores(model, ids)
     heads = induction.shape[1]
     top = [(i // heads, i % heads) for i in torch.topk(induction.flatten(), TOP).indices.tolist()]
-    ablation = ablations(model, ids, top, bos)
+    prev = divmod(int(previous.argmax()), heads)
+    ablation = ablations(model, ids, top, prev, bos)
     effects, base = patching(model, bos)
     bert = encoder()
     r = {
@@ -299,6 +310,7 @@ def main() -> int:
         "induction": induction.tolist(),
         "previous": previous.tolist(),
         "top": top,
+        "previous_head": list(prev),
         "ablation": ablation,
         "patching": base
         | {"batch": PATCH_BATCH, "effects_vs_corrupted": (effects - base["corrupted"]).tolist()},

@@ -147,3 +147,34 @@ def test_the_reroute_is_said_once_per_module_class_and_backend():
             m(x)
             m(x)
     assert len([w for w in caught if "explicit path" in str(w.message)]) == 1
+
+
+def test_points_and_weights_may_be_asked_of_some_modules_only():
+    class Only(Points):
+        def __init__(self, module):
+            super().__init__(["pattern"])
+            self.module, self.weights = module, []
+
+        def points_for(self, module):
+            return self.points if module is self.module else frozenset()
+
+        def weights_for(self, module):
+            return module is not self.module  # the other module's weights, through return_weights
+
+        def on_heads(self, module, heads, weights):
+            self.weights.append(weights is not None)
+            return heads
+
+    first, second = _module(), _module()
+    x = torch.randn(1, 4, 16, dtype=torch.float64)
+    inspector = Only(first)
+    with seam.inspecting(inspector), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first(x)
+        second(x)
+    assert list(inspector.seen) == ["pattern"] and inspector.weights == [True, True]
+    torch.testing.assert_close(inspector.seen["pattern"], _by_hand(first, x)[4])
+    inspector = Only(None)
+    with seam.inspecting(inspector):
+        first(x)
+    assert not inspector.seen and inspector.weights == [True]  # no point asked of it: its own path

@@ -67,19 +67,8 @@ def patch_heads(
     with torch.no_grad():
         sources = _clean_sources(model, clean, names, point)
         per_example = _per_example(metric(run(model, corrupted)), batch)
-        patches = [
-            Patch(i, h, p)
-            for i, name in enumerate(names)
-            for h in range(sources[name].shape[1])
-            for p in (range(sources[name].shape[2]) if per_position else (None,))
-        ]
+        patches, shape = _layout(names, sources, per_position)
         size = _chunk_size(chunk, per_example, batch, _length(corrupted), len(patches))
-        heads = max(t.shape[1] for t in sources.values())
-        shape = (
-            (len(names), heads, max(t.shape[2] for t in sources.values()))
-            if per_position
-            else (len(names), heads)
-        )
         effects = torch.full(shape, float("nan"))
         forwards = math.ceil(len(patches) / size)
         show = forwards >= 8 if progress is None else progress
@@ -93,6 +82,20 @@ def patch_heads(
                     ] = value
                 bar.update(len(part))
     return effects
+
+
+def _layout(
+    names: list[str], sources: Mapping[str, Tensor], per_position: bool
+) -> tuple[list[Patch], tuple[int, ...]]:
+    """Every patch, module by module, and the shape of the effects: (N, H) or (N, H, P), H and P the largest."""
+    patches = [
+        Patch(i, h, p)
+        for i, name in enumerate(names)
+        for h in range(sources[name].shape[1])
+        for p in (range(sources[name].shape[2]) if per_position else (None,))
+    ]
+    shape = (len(names), max(t.shape[1] for t in sources.values()))
+    return patches, shape + ((max(t.shape[2] for t in sources.values()),) if per_position else ())
 
 
 def _clean_sources(model: nn.Module, clean: object, names: list[str], point: str) -> dict[str, Tensor]:

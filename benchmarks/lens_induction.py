@@ -213,7 +213,7 @@ def figure(r: dict, path: Path) -> None:
     ax.set_yticks(range(len(rows)), [row[0] for row in rows])
     ax.invert_yaxis()
     ax.set_xlabel("loss on the repeated half (nats)")
-    ax.set_title(f"heads ablated\n(random: median bar, dots: the {DRAWS} draws)", fontsize=10)
+    ax.set_title(f"heads ablated\n(random: median; dots: {DRAWS} draws)", fontsize=10)
     fig.suptitle(f"SmolLM2-135M-Instruct on {SEQ} random tokens repeated twice (red boxes: the top {TOP})")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -233,7 +233,8 @@ def test_ablations_zero_equals_masked_mean_and_resample_by_hand():
 
 
 @pytest.mark.parametrize(
-    ("point", "per_position"), [("z", False), ("k", False), ("z", True), ("pattern", False)]
+    ("point", "per_position"),
+    [("z", False), ("k", False), ("z", True), ("pattern", False), ("result", True), ("q", False)],
 )
 def test_patching_batched_equals_one_forward_per_head(point, per_position):
     torch.manual_seed(0)
@@ -347,3 +348,22 @@ def test_a_projection_fed_something_else_is_refused_for_result():
     m = Scaled(16, 4)
     with lens.cache(m, points="result"), pytest.raises(ValueError, match="not the merged heads"):
         m(torch.randn(1, 3, 16))
+
+
+def test_importance_scores_a_model_seen_through_a_lens_and_the_lens_sees_the_gates():
+    torch.manual_seed(0)
+    model = mh.TransformerEncoder(16, 4, 32, num_layers=2, dropout=0.0).eval()
+    x = torch.randn(2, 5, 16)
+    kept = []
+
+    def loss_fn(m, batch):
+        with lens.cache(m, points=("z", "result")) as c:
+            loss = m(batch).pow(2).mean()
+        kept.append(c)
+        return loss
+
+    with lens.ablate(model, {"layers.0.self_attn": [1]}):
+        scores = heads.importance(model, [x], loss_fn, normalize=False)
+    assert scores["layers.0.self_attn"][1] == 0  # an ablated head's gate changes nothing
+    assert scores["layers.0.self_attn"][0] > 0 and kept[0]["layers.0.self_attn", "z"][:, 1].abs().max() == 0
+    assert not kept[0]["layers.1.self_attn", "result"].requires_grad

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from ..heads.naming import attention_modules
 from ..progress import Progress
 from .cache import cache
 from .sites import Context, ModuleSelection, check_points, run, select, tapping
@@ -66,6 +67,7 @@ def patch_heads(
     batch = _check_alike(clean, corrupted)
     with torch.no_grad():
         sources = _clean_sources(model, clean, names, point)
+        found = attention_modules(model)  # checked by the clean run's cache; reused by every patched run
         per_example = _per_example(metric(run(model, corrupted)), batch)
         patches, shape = _layout(names, sources, per_position)
         size = _chunk_size(chunk, per_example, batch, _length(corrupted), len(patches))
@@ -75,7 +77,7 @@ def patch_heads(
         with Progress(len(patches), f"patch {point}", enabled=show) as bar:
             for start in range(0, len(patches), size):
                 part = patches[start : start + size]
-                values = _patched(model, corrupted, part, names, sources, point, metric, batch)
+                values = _patched(model, found, corrupted, part, names, sources, point, metric, batch)
                 for patch, value in zip(part, values):
                     effects[
                         (patch.module, patch.head) + (() if patch.position is None else (patch.position,))
@@ -116,6 +118,7 @@ def _clean_sources(model: nn.Module, clean: object, names: list[str], point: str
 
 def _patched(
     model: nn.Module,
+    found: Mapping[str, nn.Module],
     corrupted: object,
     part: list[Patch],
     names: list[str],
@@ -132,7 +135,7 @@ def _patched(
         mine = [(c, p) for c, p in enumerate(part) if p.module == i]
         sites[names[i]] = {point: _patcher(sources[names[i]], mine, copies, batch)}
     inputs = corrupted if copies == 1 else _repeat(corrupted, copies, batch)
-    with tapping(model, sites):
+    with tapping(model, sites, found=found):
         out = run(model, inputs)
     if copies == 1:
         return [float(torch.as_tensor(metric(out)).float().mean())]

@@ -116,8 +116,9 @@ class Tap(seam.Inspector):
         sites: Mapping[str, Mapping[str, Handler]],
         *,
         pattern_from_weights: bool = False,
+        found: Mapping[str, nn.Module] | None = None,
     ) -> None:
-        found = attention_modules(model)
+        found = attention_modules(model) if found is None else found
         for name in sites:
             check_name(found, name, argument="sites")
         self.names = {found[name]: name for name in sites}
@@ -220,11 +221,20 @@ class Tap(seam.Inspector):
 
 @contextmanager
 def tapping(
-    model: nn.Module, sites: Mapping[str, Mapping[str, Handler]], *, pattern_from_weights: bool = False
+    model: nn.Module,
+    sites: Mapping[str, Mapping[str, Handler]],
+    *,
+    pattern_from_weights: bool = False,
+    found: Mapping[str, nn.Module] | None = None,
 ) -> Iterator[Tap]:
-    """Serve ``sites`` (``{name: {point: handler}}``) while the block runs; nothing is left after it."""
-    check_routed(model)
-    tap = Tap(model, sites, pattern_from_weights=pattern_from_weights)
+    """Serve ``sites`` (``{name: {point: handler}}``) while the block runs; nothing is left after it.
+
+    ``found``: ``attention_modules(model)``, from a caller that opens many blocks on one model (patching) and
+    has checked it (:func:`~multihead.heads.naming.check_routed`) once.
+    """
+    if found is None:
+        check_routed(model)
+    tap = Tap(model, sites, pattern_from_weights=pattern_from_weights, found=found)
     handles = [
         projection.module.register_forward_hook(tap.result_hook(m))
         for m, projection in tap.projections.items()

@@ -430,3 +430,14 @@ def test_prune_interval_maps_batch_rows_back_to_their_texts():
     for b, r in zip(batches, rows, strict=True):
         for got, att, i in zip(b.inputs["input_ids"], b.inputs["attention_mask"], r, strict=True):
             assert got[att.bool()].tolist() == ids[i]
+
+
+@pytest.mark.parametrize(
+    ("module", "stem"), [("lens_report", "lens_cpu"), ("lens_induction", "lens_induction")]
+)
+def test_lens_reports_are_their_json(module, stem):
+    """The committed lens comparison (bench_lens.py) and worked example (lens_induction.py) are their JSON."""
+    report = _bench_module(module)
+    results = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+    res = json.loads((results / f"{stem}.json").read_text())
+    assert (results / f"{stem}.md").read_text() == report.markdown(res)

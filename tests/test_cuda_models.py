@@ -697,3 +697,71 @@ def test_block_mask_calls_after_the_first_do_not_synchronise():
     q, k, v = (_randn(2, 4, n, 32, dtype=torch.bfloat16, seed=s) for s in (56, 57, 58))
     with torch.no_grad():
         _without_sync(lambda: mh.attention(q, k, v, mask=bm), "BlockMask call")
+
+
+# ------------------------------------------------------------------------------------------------
+# 8. The lens on the device
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_lens_points_patching_and_attribution_on_device(dtype):
+    """multihead.lens on a Llama (GQA) on DEV: every point cached on DEV within the 2x rule of the same points
+    cached in float64 (the reference's own error: the same model on the math backend); a batched patching sweep
+    equals one forward per head; each head's result sums to its output projection's; heads + rest == logit."""
+    import warnings
+
+    from multihead import lens
+
+    ours = _llama_pair(dtype)[0]
+    on_cpu = copy.deepcopy(ours).cpu()  # the same model in dtype on the CPU: the reference's own error
+    gold = copy.deepcopy(ours).double()  # the same weights in float64
+    ids, keep = _left_padded()
+    kw = {"input_ids": ids, "attention_mask": keep, "position_ids": _positions(keep)}
+    points = ("q", "k", "v", "scores", "pattern", "z", "result")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the explicit path is said once
+        got, ref, want = {}, {}, {}
+        for model, out in ((ours, got), (on_cpu, ref), (gold, want)):
+            device = next(model.parameters()).device
+            with torch.no_grad(), lens.cache(model, points=points) as c:
+                model(**{name: t.to(device) for name, t in kw.items()})
+            out.update({key: c[key].to(DEV) for key in c.keys()})
+    real = keep.bool()[:, None, :, None]  # (B, 1, L, 1): real query rows
+    for key, w in want.items():
+        finite = torch.isfinite(w) & real if key[1] in ("q", "scores", "pattern", "z", "result") else None
+        g, r = got[key], ref[key]
+        if finite is not None:
+            finite = finite.expand_as(w)
+            g, r, w = g[finite], r[finite], w[finite]
+        _within(
+            g,
+            r,
+            w,
+            dtype,
+            f"lens {key}",
+            extra=merge_floor(dtype, float(w.abs().max()) if w.numel() else 0, 4),
+        )
+
+    clean = {"input_ids": ids, "attention_mask": keep}
+    corrupted = {"input_ids": ids.flip(1), "attention_mask": keep}
+
+    def metric(out):  # (B,): the last position's logit of token 5
+        return out.logits[:, -1, 5].float()
+
+    with torch.no_grad():
+        batched = lens.patch_heads(ours, clean, corrupted, metric, progress=False)
+        one_by_one = lens.patch_heads(
+            ours, clean, corrupted, lambda out: float(metric(out).mean()), progress=False
+        )
+    tol = 4 * allowed_error(0.0, dtype) * float(one_by_one.abs().max() + 1)
+    torch.testing.assert_close(
+        batched, one_by_one, atol=tol + (0.05 if dtype == torch.bfloat16 else 1e-4), rtol=0
+    )
+
+    target = ids[:, -1]
+    with torch.no_grad():
+        attribution = lens.logit_attribution(ours, clean, target)
+    total = attribution.heads.sum((0, 1)) + attribution.rest
+    torch.testing.assert_close(total.float(), attribution.logit.float(), atol=1e-2, rtol=1e-3)
+    assert attribution.heads.device.type == DEV.type

@@ -29,9 +29,10 @@ def _grads(res: object, leaves: list[torch.Tensor], seed: int) -> list[torch.Ten
     """Gradients of a fixed random projection of the output (and weights) with respect to ``leaves``."""
     out, weights = output_and_weights(res)
     g = torch.Generator().manual_seed(seed)
-    loss = (out * torch.randn(out.shape, generator=g, dtype=out.dtype)).sum()
+    loss = (out * torch.randn(out.shape, generator=g, dtype=out.dtype).to(out.device)).sum()
     if weights is not None:
-        loss = loss + (weights * torch.randn(weights.shape, generator=g, dtype=weights.dtype)).sum()
+        noise = torch.randn(weights.shape, generator=g, dtype=weights.dtype).to(weights.device)
+        loss = loss + (weights * noise).sum()
     if not loss.requires_grad:
         return [None] * len(leaves)
     return list(torch.autograd.grad(loss, leaves, allow_unused=True))

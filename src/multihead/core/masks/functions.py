@@ -439,7 +439,8 @@ def alibi_fn(slopes: int | Tensor, *, lq: int | None = None, lk: int | None = No
     table = slopes
 
     def alibi(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return -table[h] * (q_idx + off - kv_idx).abs()
+        # the slopes follow the index tensors' device (alibi_fn(H) makes them on the CPU; a no-op there)
+        return -table.to(h.device)[h] * (q_idx + off - kv_idx).abs()
 
     return BiasFunction(alibi, "alibi")
 

@@ -11,7 +11,7 @@ the heads with ``heads.importance``, and writes the page of :mod:`multihead.viz.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +20,8 @@ from .model_dir import BadInput, CheckpointFolder, load, quiet_tokenizer
 if TYPE_CHECKING:  # imported where used: building the CLI's parser stays light
     import torch
 
-    from ..viz.page import PageModule
+    from ..viz import AttentionRecord
+    from ..viz.page import EncodedModule
 
 __all__ = ["Inputs", "add_cli", "capture_modules", "importance_scores", "prepare_inputs", "run", "view_page"]
 
@@ -152,21 +153,27 @@ _SIDES = {
 }
 
 
-def capture_modules(ckpt: CheckpointFolder, inputs: Inputs) -> list[PageModule]:
-    """Run the model once inside ``viz.capture``; one :class:`PageModule` (weights (H, Lq, Lk)) per module."""
+def capture_modules(ckpt: CheckpointFolder, inputs: Inputs) -> list[EncodedModule]:
+    """Run the model once inside ``viz.stream``: each module's weights (H, Lq, Lk) are encoded for the page
+    (:func:`~multihead.viz.page.encode_module`) as soon as the module has run and then dropped, so only one
+    module's float weights are ever held. One :class:`EncodedModule` per module, in run order."""
     import torch
 
-    from ..viz import capture
-    from ..viz.page import PageModule
+    from ..viz import stream
+    from ..viz.page import encode_module
 
-    with torch.no_grad(), capture(ckpt.model) as cap:
+    out: dict[str, EncodedModule] = {}
+
+    def encode(record: AttentionRecord) -> None:
+        if record.name in out:
+            raise ValueError(f"{record.name} ran twice in one forward; the page shows one call per module")
+        q, k = ("input", "input") if "input" in inputs.sequences else _SIDES.get(record.kind, ("input",) * 2)
+        w = record.weights[0]  # (H, Lq, Lk) of the one example
+        out[record.name] = encode_module(record.name, record.kind, w, q, k, inputs.special[k])
+
+    with torch.no_grad(), stream(ckpt.model, encode):
         ckpt.model(**inputs.kwargs)
-    out = []
-    for name in cap.names():
-        kind = cap.kind(name)
-        q, k = _SIDES.get(kind, ("input", "input")) if "input" not in inputs.sequences else ("input", "input")
-        out.append(PageModule(name, kind, cap.get(name)[0], q, k))  # (H, Lq, Lk) of the one example
-    return out
+    return list(out.values())
 
 
 def _loss(ckpt: CheckpointFolder, inputs: Inputs) -> Any:
@@ -206,22 +213,21 @@ def view_page(
     *,
     truncate: bool = False,
     importance: bool = False,
-) -> tuple[str, list[PageModule]]:
-    """The HTML page for ``text`` on a loaded checkpoint, and the modules (weights, importance) on it."""
-    from ..viz.page import PageModule, build_page
+) -> tuple[str, list[EncodedModule]]:
+    """The HTML page for ``text`` on a loaded checkpoint, and the modules (encoded weights, statistics,
+    importance) on it."""
+    from ..viz.page import build_page
 
     inputs = prepare_inputs(ckpt, text, text_pair, truncate=truncate)
     modules = capture_modules(ckpt, inputs)
     if importance:
         scores = importance_scores(ckpt, inputs)
-        modules = [
-            PageModule(m.name, m.kind, m.weights, m.queries, m.keys, scores.get(m.name)) for m in modules
-        ]
+        modules = [replace(m, importance=scores.get(m.name)) for m in modules]
     lengths = ", ".join(f"{len(v)} {k} tokens" for k, v in inputs.sequences.items())
     facts = {
         "folder": str(ckpt.path),
         "model": f"{type(ckpt.model).__name__} ({ckpt.kind})",
-        "heads": f"{len(modules)} modules, {sum(m.weights.shape[0] for m in modules)} heads",
+        "heads": f"{len(modules)} modules, {sum(m.heads for m in modules)} heads",
         "text": lengths,
     }
     page = build_page(
@@ -230,12 +236,12 @@ def view_page(
     return page, modules
 
 
-def model_view_figure(modules: list[PageModule], *, title: str) -> Any:
+def model_view_figure(modules: list[EncodedModule], *, title: str) -> Any:
     """A matplotlib figure of the page's model view: one heatmap (Lq x Lk, square-root scale) per module
     (rows) and head (columns); modules may differ in heads and lengths (an encoder-decoder's three kinds)."""
     from ..viz import new_figure
 
-    cols = max(m.weights.shape[0] for m in modules)
+    cols = max(m.heads for m in modules)
     cell = 1.0 if cols <= 16 else 0.6
     fig = new_figure(figsize=(1.6 + cell * cols, 0.5 + cell * len(modules)), layout="constrained")
     fig.suptitle(title)
@@ -245,8 +251,8 @@ def model_view_figure(modules: list[PageModule], *, title: str) -> Any:
             ax = axes[r][h]
             ax.set_xticks([])
             ax.set_yticks([])
-            if h < m.weights.shape[0]:
-                w = m.weights[h].sqrt()  # (Lq, Lk); as on the page: a uniform head stays pale
+            if h < m.heads:
+                w = m.head(h).sqrt()  # (Lq, Lk), decoded; as on the page: a uniform head stays pale
                 ax.imshow(
                     w.numpy(), cmap="Blues", vmin=0, vmax=max(float(w.max()), 0.5), interpolation="nearest"
                 )
@@ -295,6 +301,6 @@ def run(args: argparse.Namespace) -> int:
             png, dpi=100, metadata={"Software": None}
         )
     out.write_text(page, encoding="utf-8")
-    n = sum(m.weights.shape[0] for m in modules)
+    n = sum(m.heads for m in modules)
     print(f"wrote {out} ({out.stat().st_size / 2**20:.2f} MiB, {n} heads)" + (f" and {png}" if png else ""))
     return 0

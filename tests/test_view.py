@@ -394,6 +394,24 @@ def test_view_streams_each_module_and_keeps_no_float_weights(tmp_path, folders, 
     assert all(isinstance(m, page.EncodedModule) for m in modules)
 
 
+@pytest.mark.parametrize("kind", ["causal-lm", "encoder-decoder"])
+def test_view_importance_is_heads_importance_on_the_unfrozen_model(folders, kind):
+    """The command freezes the parameters while it scores the heads: the same scores, flags restored."""
+    from multihead import heads
+    from multihead.commands import view
+
+    ckpt = model_dir.load(folders[kind])
+    inputs = view.prepare_inputs(ckpt, TEXT, "the dog ran" if kind == "encoder-decoder" else None)
+    ckpt.model.lm_head.weight.requires_grad_(False)  # one frozen by the user stays frozen
+    flags = [p.requires_grad for p in ckpt.model.parameters()]
+    want = heads.importance(ckpt.model, [inputs.kwargs], view._loss(ckpt, inputs))
+    got = view.importance_scores(ckpt, inputs)
+    assert [p.requires_grad for p in ckpt.model.parameters()] == flags and not all(flags)
+    assert list(got) == list(want)
+    for name, s in want.items():
+        assert got[name] == pytest.approx(s.tolist(), rel=1e-5, abs=1e-7), name
+
+
 def test_stream_hands_over_what_capture_records(folders):
     from multihead import viz
 

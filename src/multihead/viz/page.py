@@ -86,9 +86,9 @@ class EncodedModule:
     """One attention module as the page carries it: per-head statistics and compressed weights, no tensor.
 
     ``blobs`` hold one head each (:func:`encode_head`'s format) of ``shape`` (Lq, Lk); ``stats`` are
-    ``{column of STAT_COLUMNS: H values}`` (None where undefined). About 1/8 of the float32 weights' memory
-    at a long text (most weights round to 0 and deflate away), so a whole model's fits where its float
-    weights would not. Made by :func:`encode_module` or :meth:`PageModule.encode`.
+    ``{column of STAT_COLUMNS: H values}`` (None where undefined). At 1,000 tokens about 1/70 of the
+    float32 weights' memory (most weights round to 0 and deflate away), so a whole model's fits where its
+    float weights would not. Made by :func:`encode_module` or :meth:`PageModule.encode`.
     """
 
     name: str
@@ -127,7 +127,7 @@ def head_stats(weights: Tensor, special: Sequence[bool], *, self_attention: bool
     ``special`` (Lk,) marks the special key tokens. Returns ``{column of STAT_COLUMNS: (H,) float64}``;
     the position statistics (distance, previous, same) are NaN for cross-attention
     (``self_attention=False``), where query and key positions index different sequences. Each query's
-    sum over the keys is taken in the weights' precision (float32 at least: within about 1e-6 of exact),
+    sum over the keys is taken in the weights' precision (float32 at least: about 1e-6 relative error),
     the means over the queries in float64.
     """
     w = weights.detach()

@@ -106,19 +106,23 @@ class Command:
 def run_view(src: Path, argv: list[str], page: Path) -> Command:
     """``python -m multihead view *argv`` as a child with ``src`` first on its path; its own peak RSS."""
     env = dict(os.environ, PYTHONPATH=str(src))
-    start = time.perf_counter()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "multihead", "view", *argv, "--out", str(page)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    out, err = proc.communicate()  # reads both pipes; the child is then a zombie until wait4 reaps it
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - start
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"multihead view {argv[0]} failed ({src}): {err.decode()[-2000:]}")
-    print(out.decode().strip(), f"in {wall:.1f} s, peak {usage.ru_maxrss / 1024:.0f} MiB", flush=True)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "multihead", "view", *argv, "--out", str(page)],
+            env=env,
+            stdout=out,
+            stderr=err,
+        )
+        _, status, usage = os.wait4(proc.pid, 0)  # reaped here, so this child's own rusage (not Popen.wait)
+        wall = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        if proc.returncode != 0:
+            raise SystemExit(f"multihead view {argv[0]} failed ({src}): {err.read().decode()[-2000:]}")
+        said = out.read().decode().strip()
+    print(said, f"in {wall:.1f} s, peak {usage.ru_maxrss / 1024:.0f} MiB", flush=True)
     return Command(round(wall, 1), round(usage.ru_maxrss / 1024, 1), round(page.stat().st_size / 2**20, 3))
 
 

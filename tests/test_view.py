@@ -412,6 +412,31 @@ def test_view_importance_is_heads_importance_on_the_unfrozen_model(folders, kind
         assert got[name] == pytest.approx(s.tolist(), rel=1e-5, abs=1e-7), name
 
 
+def test_token_labels_read_as_text():
+    """Byte-level BPE tokens (GPT-2, Llama 3, SmolLM2) are labelled as the text they stand for; WordPiece
+    and special tokens stay as they are."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from multihead.commands.view import readable
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    bpe = Tokenizer(models.BPE({c: i for i, c in enumerate(alphabet)}, []))
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    byte_level = PreTrainedTokenizerFast(tokenizer_object=bpe)
+    cases = {
+        "\u0120can": " can",
+        "\u010a": "\u21b5",
+        "\u0109": "\u21e5",
+        "\u0120": "\u2423",
+        "caf\u00c3\u00a9": "caf\u00e9",
+    }
+    cases["\u00c3"] = "\u00c3"  # the first byte of a two-byte character: no text of its own, kept as it is
+    assert {t: readable(byte_level, t) for t in cases} == cases
+    wordpiece = AutoTokenizer.from_pretrained(minilm_dir())
+    assert [readable(wordpiece, t) for t in ("[CLS]", "##use", "cafe")] == ["[CLS]", "##use", "cafe"]
+
+
 def test_stream_hands_over_what_capture_records(folders):
     from multihead import viz
 

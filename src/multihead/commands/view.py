@@ -25,7 +25,16 @@ if TYPE_CHECKING:  # imported where used: building the CLI's parser stays light
     from ..viz import AttentionRecord
     from ..viz.page import EncodedModule
 
-__all__ = ["Inputs", "add_cli", "capture_modules", "importance_scores", "prepare_inputs", "run", "view_page"]
+__all__ = [
+    "Inputs",
+    "add_cli",
+    "capture_modules",
+    "importance_scores",
+    "prepare_inputs",
+    "readable",
+    "run",
+    "view_page",
+]
 
 EXAMPLES = """\
 examples:
@@ -100,10 +109,24 @@ def _tokenize(ckpt: CheckpointFolder, text: str, pair: str | None, *, truncate: 
     return enc
 
 
+_CONTROLS = str.maketrans({"\n": "\u21b5", "\r": "\u21b5", "\t": "\u21e5"})  # shown as arrows
+
+
+def readable(tokenizer: Any, token: str) -> str:
+    """A token as the page labels it: as the tokenizer writes it in text (a byte-level BPE's ``"Ġcan"``
+    -> ``" can"``, ``"Ċ"`` -> a return arrow, a lone space -> ``"␣"``), or as it is where that text is not
+    whole characters (a piece of a multi-byte character) or empty."""
+    text = tokenizer.convert_tokens_to_string([token])
+    if not text or "\ufffd" in text:
+        return token
+    text = text.translate(_CONTROLS)
+    return text if text.strip() else "\u2423" * len(text)
+
+
 def _labels(ckpt: CheckpointFolder, ids: torch.Tensor) -> tuple[list[str], list[bool]]:
-    special = set(ckpt.tokenizer.all_special_ids)
+    tok, special = ckpt.tokenizer, set(ckpt.tokenizer.all_special_ids)
     row = ids[0].tolist()
-    return [str(t) for t in ckpt.tokenizer.convert_ids_to_tokens(row)], [i in special for i in row]
+    return [readable(tok, str(t)) for t in tok.convert_ids_to_tokens(row)], [i in special for i in row]
 
 
 def prepare_inputs(

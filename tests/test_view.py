@@ -181,7 +181,7 @@ def read_page(path):
     for m in data["modules"]:
         lq, lk = len(data["sequences"][m["q"]]), len(data["sequences"][m["k"]])
         raw = [np.frombuffer(zlib.decompress(base64.b64decode(b)), dtype=np.uint8) for b in m["blobs"]]
-        m["weights"] = np.stack([r.reshape(lq, lk) for r in raw]).astype(np.float64) / 255  # (H, Lq, Lk)
+        m["weights"] = np.stack([r.reshape(lk, lq).T for r in raw]).astype(np.float64) / 255  # (H, Lq, Lk)
     return data
 
 
@@ -370,9 +370,104 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(capsys, tmp_path, fo
     assert sorted(tmp_path.rglob("*")) == before  # nothing written
 
 
+def test_view_streams_each_module_and_keeps_no_float_weights(tmp_path, folders, monkeypatch):
+    """The command encodes each module as soon as it has run: when a module is encoded, no earlier
+    module's float weights are alive, and none is once the page is built."""
+    import gc
+    import weakref
+
+    from multihead.commands import view
+
+    seen, encode = [], page.encode_module
+
+    def spy(name, kind, weights, *args, **kw):
+        gc.collect()
+        assert all(r() is None for r in seen), f"{name}: an earlier module's weights are still held"
+        seen.extend(weakref.ref(t) for t in (weights, weights._base) if t is not None)  # a view: its base too
+        return encode(name, kind, weights, *args, **kw)
+
+    monkeypatch.setattr(page, "encode_module", spy)
+    ckpt = model_dir.load(folders["encoder-decoder"])
+    html, modules = view.view_page(ckpt, TEXT, "the dog ran")
+    gc.collect()
+    assert len(modules) == 6 and len(seen) >= 6 and all(r() is None for r in seen)
+    assert all(isinstance(m, page.EncodedModule) for m in modules)
+
+
+@pytest.mark.parametrize("kind", ["causal-lm", "encoder-decoder"])
+def test_view_importance_is_heads_importance_on_the_unfrozen_model(folders, kind):
+    """The command freezes the parameters while it scores the heads: the same scores, flags restored."""
+    from multihead import heads
+    from multihead.commands import view
+
+    ckpt = model_dir.load(folders[kind])
+    inputs = view.prepare_inputs(ckpt, TEXT, "the dog ran" if kind == "encoder-decoder" else None)
+    ckpt.model.lm_head.weight.requires_grad_(False)  # one frozen by the user stays frozen
+    flags = [p.requires_grad for p in ckpt.model.parameters()]
+    want = heads.importance(ckpt.model, [inputs.kwargs], view._loss(ckpt, inputs))
+    got = view.importance_scores(ckpt, inputs)
+    assert [p.requires_grad for p in ckpt.model.parameters()] == flags and not all(flags)
+    assert list(got) == list(want)
+    for name, s in want.items():
+        assert got[name] == pytest.approx(s.tolist(), rel=1e-5, abs=1e-7), name
+
+
+def test_token_labels_read_as_text():
+    """Byte-level BPE tokens (GPT-2, Llama 3, SmolLM2) are labelled as the text they stand for; WordPiece
+    and special tokens stay as they are."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from multihead.commands.view import readable
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    bpe = Tokenizer(models.BPE({c: i for i, c in enumerate(alphabet)}, []))
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    byte_level = PreTrainedTokenizerFast(tokenizer_object=bpe)
+    cases = {
+        "\u0120can": " can",
+        "\u010a": "\u21b5",
+        "\u0109": "\u21e5",
+        "\u0120": "\u2423",
+        "caf\u00c3\u00a9": "caf\u00e9",
+    }
+    cases["\u00c3"] = "\u00c3"  # the first byte of a two-byte character: no text of its own, kept as it is
+    assert {t: readable(byte_level, t) for t in cases} == cases
+    wordpiece = AutoTokenizer.from_pretrained(minilm_dir())
+    assert [readable(wordpiece, t) for t in ("[CLS]", "##use", "cafe")] == ["[CLS]", "##use", "cafe"]
+
+
+def test_stream_hands_over_what_capture_records(folders):
+    from multihead import viz
+
+    ckpt = model_dir.load(folders["causal-lm"])
+    ids = torch.tensor([[1, 7, 8, 9, 10, 2]])
+    got = []
+    with torch.no_grad(), viz.capture(ckpt.model) as cap, viz.stream(ckpt.model, got.append):
+        ckpt.model(input_ids=ids)
+    assert [r.name for r in got] == cap.names() == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    for r in got:
+        assert r.kind == cap.kind(r.name) and torch.equal(r.weights, cap.get(r.name))  # (1, 4, 6, 6)
+
+
 # ------------------------------------------------------------------------------------------------
 # The page builder on its own
 # ------------------------------------------------------------------------------------------------
+
+
+def test_encoded_module_is_what_the_page_carries_of_its_weights():
+    torch.manual_seed(0)
+    w = torch.softmax(torch.randn(3, 5, 7) * 3, dim=-1)  # (H, Lq, Lk): cross-attention
+    special = [True] + [False] * 6
+    m = page.PageModule("cross.0", "cross", w, "tgt", "src", importance=[0.5, 0.25, 0.25])
+    e = m.encode(special)
+    assert (e.heads, e.shape, e.importance) == (3, (5, 7), [0.5, 0.25, 0.25]) and e.encode(special) is e
+    for h in range(3):
+        assert e.head(h).shape == (5, 7) and (e.head(h) - w[h]).abs().max() <= 1 / 510 + 1e-7
+    assert e.stats["distance"] == [None] * 3  # position statistics: self-attention only
+    seqs = {"tgt": list("abcde"), "src": list("ABCDEFG")}
+    flags = {"tgt": [False] * 5, "src": special}
+    assert page.build_page([m], seqs, flags) == page.build_page([e], seqs, flags)
 
 
 @settings(max_examples=25, deadline=None)
@@ -382,7 +477,7 @@ def test_encode_head_decodes_within_quantisation_error(lq, lk, sharpness, seed):
     w = torch.softmax(torch.randn(lq, lk, dtype=torch.float64, generator=g) * sharpness, dim=-1)
     w[torch.rand(lq, generator=g) < 0.2] = 0  # rows with no allowed key: all zero
     raw = zlib.decompress(base64.b64decode(page.encode_head(w)))
-    back = np.frombuffer(raw, dtype=np.uint8).reshape(lq, lk) / 255
+    back = np.frombuffer(raw, dtype=np.uint8).reshape(lk, lq).T / 255  # key-major
     assert np.abs(back - w.numpy()).max() <= 1 / 510 + 1e-12
 
 

@@ -4,10 +4,11 @@ Dimensions: B batch, H heads, N attention modules (rows of a grid), Lq query len
 
 matplotlib is an optional extra (``pip install 'multihead[viz]'``): it is imported inside the plotting
 functions only, always through ``matplotlib.figure.Figure`` (the Agg canvas; no pyplot, no display, no
-global state). :func:`capture` needs nothing beyond torch.
+global state). :func:`capture` (and :func:`stream`, which hands each call's weights over instead of
+keeping them) needs nothing beyond torch.
 """
 
-from .capture import AttentionRecord, Capture, capture
+from .capture import AttentionRecord, Capture, capture, stream
 from .plots import new_figure, plot_attention, plot_importance
 from .report import Panel, panels, write_report
 
@@ -20,5 +21,6 @@ __all__ = [
     "panels",
     "plot_attention",
     "plot_importance",
+    "stream",
     "write_report",
 ]

@@ -5,7 +5,7 @@ Dimensions: B batch, H heads, Lq query length, Lk key length.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -75,18 +75,22 @@ class Capture:
 
 
 class _Recorder(seam.Inspector):
+    """Hands each call's weights, as an :class:`AttentionRecord`, to ``sink``; ``own``: a CPU copy."""
+
     wants_weights = True
 
-    def __init__(self, model: nn.Module, out: Capture) -> None:
+    def __init__(self, model: nn.Module, sink: Callable[[AttentionRecord], None], *, own: bool) -> None:
         self.names = {m: name for name, m in attention_modules(model).items()}
         self.kinds = {m: module_kind(name, m) for m, name in self.names.items()}
-        self.out = out
+        self.sink, self.own = sink, own
 
     def on_heads(self, module: nn.Module, heads: Tensor, weights: Tensor | None) -> Tensor:
         name = self.names.get(module)
         if name is not None and weights is not None:
-            w = weights.detach().to("cpu", copy=True)  # (B, H, Lq, Lk), no graph, no shared storage
-            self.out.records.append(AttentionRecord(name, self.kinds[module], w))
+            w = weights.detach()  # (B, H, Lq, Lk), no graph
+            if self.own:
+                w = w.to("cpu", copy=True)  # no shared storage: the capture owns it
+            self.sink(AttentionRecord(name, self.kinds[module], w))
         return heads
 
 
@@ -108,5 +112,23 @@ def capture(model: nn.Module) -> Iterator[Capture]:
     """
     check_routed(model)
     out = Capture()
-    with seam.inspecting(_Recorder(model, out)):
+    with seam.inspecting(_Recorder(model, out.records.append, own=True)):
         yield out
+
+
+@contextmanager
+def stream(model: nn.Module, fn: Callable[[AttentionRecord], None]) -> Iterator[None]:
+    """Call ``fn(record)`` with each attention call's weights (B, H, Lq, Lk) as the module runs; keep nothing.
+
+    What :func:`capture` records, handed over one call at a time instead of held: ``fn`` turns the weights
+    into what it needs (statistics, a compact encoding) and drops them, so a long text on a deep model
+    never holds every module's weights at once. ``record.weights`` is detached but not copied: it lies on
+    the device the attention ran on and is the tensor the module computed (do not modify it in place)::
+
+        sums = {}
+        with torch.no_grad(), viz.stream(model, lambda r: sums.update({r.name: r.weights.sum()})):
+            model(x)
+    """
+    check_routed(model)
+    with seam.inspecting(_Recorder(model, fn, own=False)):
+        yield

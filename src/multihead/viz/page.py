@@ -5,11 +5,14 @@ Dimensions: H heads, Lq query length, Lk key length.
 The page works from ``file://`` with no network: the script and style are inline, written here. Each
 head's weights travel quantised and compressed: rounded to uint8 (``q = round(255 * w)``, so an entry is
 off by at most 1/510; most weights of a long text round to 0, which deflates well), deflated with
-:mod:`zlib` and base64-encoded (a 512-token text on a 6 x 12-head model: about 2.5 MiB). The page inflates a head only
-when it draws it (the browser's ``DecompressionStream``), keeps a few in memory, and draws on canvas:
-a model view (a thumbnail per layer x head), a head view (token-to-token lines of the heads picked,
-opacity = weight, hover a token to focus on it) and a sortable table of per-head statistics
-(:func:`head_stats`), with head importance when given. Nothing here imports transformers or matplotlib.
+:mod:`zlib` and base64-encoded (a 512-token text on a 6 x 12-head model: about 2.9 MiB; 1,000 tokens on a
+30 x 9-head causal LM: about 15 MiB). A module is encoded on its own (:func:`encode_module`: statistics
+and blobs, no tensor kept), so a caller can encode each module as the model runs and never hold every
+head's float weights at once. The page inflates a head only when it draws it (the browser's
+``DecompressionStream``), keeps a few in memory, and draws on canvas: a model view (a thumbnail per
+layer x head), a head view (token-to-token lines of the heads picked, opacity = weight, hover a token to
+focus on it) and a sortable table of per-head statistics (:func:`head_stats`), with head importance when
+given. Nothing here imports transformers or matplotlib.
 """
 
 from __future__ import annotations
@@ -25,7 +28,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-__all__ = ["STAT_COLUMNS", "PageModule", "build_page", "encode_head", "head_stats"]
+__all__ = [
+    "STAT_COLUMNS",
+    "EncodedModule",
+    "PageModule",
+    "build_page",
+    "encode_head",
+    "encode_module",
+    "head_stats",
+]
 
 STAT_COLUMNS = {
     "entropy": "mean entropy of a query's attention, in nats (0: one key; ln Lk: uniform)",
@@ -53,6 +64,57 @@ class PageModule:
     keys: str
     importance: Sequence[float] | None = field(default=None)
 
+    @property
+    def heads(self) -> int:
+        """H, the number of heads."""
+        return self.weights.shape[0]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(Lq, Lk), one head's shape."""
+        return (self.weights.shape[1], self.weights.shape[2])
+
+    def encode(self, special: Sequence[bool]) -> EncodedModule:
+        """This module as the page carries it (:func:`encode_module`); ``special`` (Lk,) flags the keys."""
+        return encode_module(
+            self.name, self.kind, self.weights, self.queries, self.keys, special, importance=self.importance
+        )
+
+
+@dataclass(frozen=True)
+class EncodedModule:
+    """One attention module as the page carries it: per-head statistics and compressed weights, no tensor.
+
+    ``blobs`` hold one head each (:func:`encode_head`'s format) of ``shape`` (Lq, Lk); ``stats`` are
+    ``{column of STAT_COLUMNS: H values}`` (None where undefined). At 1,000 tokens about 1/70 of the
+    float32 weights' memory (most weights round to 0 and deflate away), so a whole model's fits where its
+    float weights would not. Made by :func:`encode_module` or :meth:`PageModule.encode`.
+    """
+
+    name: str
+    kind: str
+    queries: str
+    keys: str
+    shape: tuple[int, int]
+    stats: Mapping[str, Sequence[float | None]]
+    blobs: Sequence[str]
+    importance: Sequence[float] | None = field(default=None)
+
+    @property
+    def heads(self) -> int:
+        """H, the number of heads."""
+        return len(self.blobs)
+
+    def encode(self, special: Sequence[bool]) -> EncodedModule:
+        """Already encoded: itself (its statistics were computed with the key flags it was encoded with)."""
+        return self
+
+    def head(self, h: int) -> Tensor:
+        """Head ``h``'s weights (Lq, Lk) float32 as the page reads them (within 1/510 of the original)."""
+        raw = zlib.decompress(base64.b64decode(self.blobs[h]))
+        q = torch.frombuffer(bytearray(raw), dtype=torch.uint8).reshape(self.shape[::-1])  # (Lk, Lq)
+        return q.t().float() / 255  # (Lq, Lk)
+
 
 # ------------------------------------------------------------------------------------------------
 # Data: statistics and encoding
@@ -64,40 +126,91 @@ def head_stats(weights: Tensor, special: Sequence[bool], *, self_attention: bool
 
     ``special`` (Lk,) marks the special key tokens. Returns ``{column of STAT_COLUMNS: (H,) float64}``;
     the position statistics (distance, previous, same) are NaN for cross-attention
-    (``self_attention=False``), where query and key positions index different sequences.
+    (``self_attention=False``), where query and key positions index different sequences. Each query's
+    sum over the keys is taken in the weights' precision (float32 at least: about 1e-6 relative error),
+    the means over the queries in float64.
     """
-    w = weights.detach().double()  # (H, Lq, Lk)
+    w = weights.detach()
+    w = w if w.dtype == torch.float64 else w.float()  # (H, Lq, Lk)
+    f64 = torch.float64
     h, lq, lk = w.shape
     if len(special) != lk:
         raise ValueError(f"special must have one flag per key token (Lk={lk}), got {len(special)}")
-    entropy = -(w * w.clamp_min(1e-300).log()).sum(-1).mean(-1)  # (H,)
     spec = torch.tensor(list(special), dtype=torch.bool)
     out = {
-        "entropy": entropy,
-        "first": w[:, :, 0].mean(-1),
-        "special": w[:, :, spec].sum(-1).mean(-1),
+        "entropy": torch.special.entr(w).sum(-1).to(f64).mean(-1),  # -sum w ln w over the keys: (H,)
+        "first": w[:, :, 0].to(f64).mean(-1),
+        "special": w[:, :, spec].sum(-1).to(f64).mean(-1),
     }
-    nan = torch.full((h,), math.nan, dtype=torch.float64)
+    nan = torch.full((h,), math.nan, dtype=f64)
     if not self_attention or lq != lk:
         out.update(distance=nan, previous=nan, same=nan)
     else:
-        pos = torch.arange(lq, dtype=torch.float64)
+        pos = torch.arange(lq, dtype=w.dtype)  # exact: positions < 2**24
         dist = (pos[:, None] - pos[None, :]).abs()  # (Lq, Lk)
-        out["distance"] = (w * dist).sum(-1).mean(-1)
-        out["previous"] = w.diagonal(offset=-1, dim1=1, dim2=2).mean(-1) if lq > 1 else nan.clone()
-        out["same"] = w.diagonal(dim1=1, dim2=2).mean(-1)
+        out["distance"] = torch.einsum("hqk,qk->hq", w, dist).to(f64).mean(-1)  # sum_k w |q - k|: (H, Lq)
+        out["previous"] = w.diagonal(offset=-1, dim1=1, dim2=2).to(f64).mean(-1) if lq > 1 else nan.clone()
+        out["same"] = w.diagonal(dim1=1, dim2=2).to(f64).mean(-1)
     return {k: out[k] for k in STAT_COLUMNS}
 
 
-def encode_head(weights: Tensor) -> str:
-    """One head's weights (Lq, Lk) as the page carries them: base64 of zlib(uint8 q, row-major).
+def _quantize(weights: Tensor) -> Tensor:
+    """Weights (..., Lq, Lk) in [0, 1] -> uint8 ``floor(255 w + 1/2)``, within 1/510 (+ one rounding of 255 w)."""
+    w = weights.detach()
+    w = w if w.dtype == torch.float64 else w.float()
+    return w.mul(255).add_(0.5).clamp_(0, 255).to(torch.uint8)  # conversion truncates: floor of x >= 0
 
-    Decoding: base64, inflate, read Lq x Lk bytes q row-major; the weight is ``q / 255``, within 1/510 of
-    the input (weights lie in [0, 1]).
+
+def _pack(q: Tensor) -> str:
+    """uint8 (Lq, Lk) -> base64 of zlib (level 5) of its bytes key-major: row j holds key j's Lq weights.
+
+    Key-major because a key's weights down the queries vary less than a query's along the keys (a key
+    that draws attention draws it from many queries; a causal key gets none from the queries before it):
+    on a 1,000-token text the deflated bytes are about a quarter fewer than row-major, and deflate faster.
     """
-    w = weights.detach().double().clamp(0, 1)  # (Lq, Lk); float64: within 1/510 exactly, no float32 rounding
-    q = torch.round(w * 255).to(torch.uint8)  # (Lq, Lk)
-    return base64.b64encode(zlib.compress(q.numpy().tobytes(), 6)).decode("ascii")
+    return base64.b64encode(zlib.compress(q.t().contiguous().numpy().tobytes(), 5)).decode("ascii")
+
+
+def encode_head(weights: Tensor) -> str:
+    """One head's weights (Lq, Lk) as the page carries them: base64 of zlib(uint8 q, key-major).
+
+    Decoding: base64, inflate, read Lk x Lq bytes (row j: key j's weight from each query), transpose to
+    (Lq, Lk); the weight is ``q / 255``, within 1/510 of
+    the input (weights lie in [0, 1]; float32 weights are scaled in float32, which adds at most 2**-24).
+    """
+    return _pack(_quantize(weights.cpu()))
+
+
+def encode_module(
+    name: str,
+    kind: str,
+    weights: Tensor,
+    queries: str,
+    keys: str,
+    special: Sequence[bool],
+    *,
+    importance: Sequence[float] | None = None,
+) -> EncodedModule:
+    """One module's weights (H, Lq, Lk) (on any device) encoded for the page: statistics and one blob per head.
+
+    ``special`` (Lk,) flags the special key tokens; the position statistics are computed when
+    ``queries == keys`` (self-attention). The result holds no reference to ``weights``.
+    """
+    if weights.dim() != 3:
+        raise ValueError(f"{name}: weights must be (H, Lq, Lk), got shape {tuple(weights.shape)}")
+    w = weights.detach().cpu()
+    stats = head_stats(w, special, self_attention=queries == keys)
+    q = _quantize(w)  # (H, Lq, Lk) uint8
+    return EncodedModule(
+        name,
+        kind,
+        queries,
+        keys,
+        (w.shape[1], w.shape[2]),
+        {k: [_finite(v) for v in s.tolist()] for k, s in stats.items()},
+        [_pack(q[i]) for i in range(q.shape[0])],
+        importance,
+    )
 
 
 def _finite(x: float) -> float | None:
@@ -110,7 +223,7 @@ def _finite(x: float) -> float | None:
 
 
 def build_page(
-    modules: Sequence[PageModule],
+    modules: Sequence[PageModule | EncodedModule],
     sequences: Mapping[str, Sequence[str]],
     special: Mapping[str, Sequence[bool]],
     *,
@@ -120,8 +233,9 @@ def build_page(
     """The page (an HTML string) for ``modules``, whose tokens are ``sequences[name]``.
 
     Args:
-        modules: the attention modules in model order; each ``weights`` is (H, Lq, Lk) with Lq tokens of
-            ``sequences[m.queries]`` and Lk of ``sequences[m.keys]``.
+        modules: the attention modules in model order, with weights (H, Lq, Lk) (:class:`PageModule`) or
+            already encoded (:class:`EncodedModule`, e.g. one module at a time while the model runs); Lq
+            tokens of ``sequences[m.queries]`` and Lk of ``sequences[m.keys]``.
         sequences: ``{name: tokens}``, e.g. ``{"input": [...]}`` or ``{"encoder": [...], "decoder": [...]}``.
         special: ``{name: one bool per token}``: which tokens are special (for the statistics).
         title: the page's heading.
@@ -131,23 +245,23 @@ def build_page(
         raise ValueError("modules is empty: nothing to show")
     meta_modules = []
     for m in modules:
-        h, lq, lk = m.weights.shape
-        if lq != len(sequences[m.queries]) or lk != len(sequences[m.keys]):
+        want = (len(sequences[m.queries]), len(sequences[m.keys]))
+        if m.shape != want:
             raise ValueError(
-                f"{m.name}: weights (H, Lq, Lk) = {tuple(m.weights.shape)} but sequences give "
-                f"Lq={len(sequences[m.queries])} ({m.queries}) and Lk={len(sequences[m.keys])} ({m.keys})"
+                f"{m.name}: weights (H, Lq, Lk) = {(m.heads, *m.shape)} but sequences give "
+                f"Lq={want[0]} ({m.queries}) and Lk={want[1]} ({m.keys})"
             )
-        stats = head_stats(m.weights, special[m.keys], self_attention=m.queries == m.keys)
+        e = m.encode(special[m.keys])
         meta_modules.append(
             {
-                "name": m.name,
-                "kind": m.kind,
-                "q": m.queries,
-                "k": m.keys,
-                "heads": h,
-                "stats": {k: [_finite(v) for v in s.tolist()] for k, s in stats.items()},
-                "importance": None if m.importance is None else [round(float(x), 5) for x in m.importance],
-                "blobs": [encode_head(m.weights[i]) for i in range(h)],
+                "name": e.name,
+                "kind": e.kind,
+                "q": e.queries,
+                "k": e.keys,
+                "heads": e.heads,
+                "stats": e.stats,
+                "importance": None if e.importance is None else [round(float(x), 5) for x in e.importance],
+                "blobs": list(e.blobs),
             }
         )
     data = {
@@ -241,7 +355,7 @@ function fail(msg) { document.body.dataset.status = "error"; $("status").textCon
 window.addEventListener("error", (e) => fail(e.message));
 window.addEventListener("unhandledrejection", (e) => fail(String(e.reason)));
 
-// ---- decoding: base64 -> inflate -> {q: uint8 (Lq*Lk), weight = q / 255}, a few heads kept ----
+// ---- decoding: base64 -> inflate -> {q: uint8 (Lk*Lq) key-major, weight of (i, j) = q[j * lq + i] / 255} ----
 const cache = new Map(), CACHE_MAX = 6;
 async function head(mi, h) {
   const key = mi + ":" + h;
@@ -305,11 +419,11 @@ async function drawThumb(t) {
   const v = await head(t.mi, t.h), W = t.cv.width, H = t.cv.height;
   const ctx = t.cv.getContext("2d"), img = ctx.createImageData(W, H);
   const acc = new Uint8Array(W * H);  // the largest weight of each pixel's block of (query, key) cells
-  const px = new Int32Array(v.lk);  // key -> pixel column
-  for (let j = 0; j < v.lk; j++) px[j] = Math.floor(j * W / v.lk);
-  for (let i = 0; i < v.lq; i++) {
-    const y = Math.floor(i * H / v.lq) * W, row = v.q.subarray(i * v.lk, (i + 1) * v.lk);
-    for (let j = 0; j < v.lk; j++) { const x = row[j]; if (x !== 0 && x > acc[y + px[j]]) acc[y + px[j]] = x; }
+  const py = new Int32Array(v.lq);  // query -> offset of its pixel row
+  for (let i = 0; i < v.lq; i++) py[i] = Math.floor(i * H / v.lq) * W;
+  for (let j = 0; j < v.lk; j++) {
+    const x0 = Math.floor(j * W / v.lk), col = v.q.subarray(j * v.lq, (j + 1) * v.lq);  // key j, every query
+    for (let i = 0; i < v.lq; i++) { const x = col[i]; if (x !== 0 && x > acc[py[i] + x0]) acc[py[i] + x0] = x; }
   }
   let top = 64;  // the head's largest weight, at least 0.25: a uniform head stays pale
   for (let p = 0; p < W * H; p++) if (acc[p] > top) top = acc[p];
@@ -349,11 +463,13 @@ async function drawHeadView() {
   const want = cur.mi, data = [];
   for (const h of cur.heads) data.push([h, await head(cur.mi, h)]);
   if (want !== cur.mi) return;
-  const rowH = 18, dpr = window.devicePixelRatio || 1;
+  // a canvas side stays under 32,767 device pixels (browsers refuse larger): long texts get lower rows
+  const n = Math.max(qt.length, kt.length), rowH = Math.max(2, Math.min(18, Math.floor(32000 / (n + 1))));
+  const dpr = Math.min(window.devicePixelRatio || 1, 32000 / (n * rowH + 12));
   hctx.font = "13px system-ui, sans-serif";
   let tw = 40;
   for (const t of qt.concat(kt)) tw = Math.max(tw, Math.min(160, hctx.measureText(t).width + 12));
-  const gap = 180, W = 2 * tw + gap, H = Math.max(qt.length, kt.length) * rowH + 12;
+  const gap = 180, W = 2 * tw + gap, H = n * rowH + 12;
   hv.width = W * dpr; hv.height = H * dpr; hv.style.width = W + "px"; hv.style.height = H + "px";
   geom = { tw: tw, gap: gap, rowH: rowH, W: W, nq: qt.length, nk: kt.length };
   const ctx = hctx; ctx.setTransform(dpr, 0, 0, dpr, 0, 0); ctx.clearRect(0, 0, W, H);
@@ -363,10 +479,9 @@ async function drawHeadView() {
     ctx.strokeStyle = PALETTE[h % PALETTE.length]; ctx.lineWidth = 1.6;
     for (let i = 0; i < v.lq; i++) {
       if (hover && hover.side === "q" && hover.i !== i) continue;
-      const row = i * v.lk;
       for (let j = 0; j < v.lk; j++) {
         if (hover && hover.side === "k" && hover.i !== j) continue;
-        const w = v.q[row + j] / 255;
+        const w = v.q[j * v.lq + i] / 255;
         if (w < 0.01) continue;
         ctx.globalAlpha = Math.min(1, w * (data.length > 1 ? 0.8 : 1));
         ctx.beginPath(); ctx.moveTo(x0, yOf(i)); ctx.lineTo(x1, yOf(j)); ctx.stroke();

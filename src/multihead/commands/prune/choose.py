@@ -26,7 +26,7 @@ each (kept for comparison and for callers that want the loss-driven choice).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -44,6 +44,9 @@ __all__ = [
     "choose_and_prune",
     "choose_compensable",
     "compensable_heads",
+    "compensable_order",
+    "grouped",
+    "removal_order",
     "spread_subset",
 ]
 
@@ -141,7 +144,20 @@ def compensable_heads(
     *,
     bias: Mapping[str, bool] | None = None,
 ) -> dict[str, list[int]]:
-    """The ``n`` heads to remove, ``{module: sorted head indices}``, chosen greedily by refit residual.
+    """The ``n`` heads to remove, ``{module: sorted head indices}``: the first ``n`` of
+    :func:`removal_order`."""
+    return grouped(removal_order(fits, heads, n, bias=bias), heads)
+
+
+def removal_order(
+    fits: Mapping[str, LeastSquares | CrossValidated],
+    heads: Mapping[str, int],
+    n: int,
+    *,
+    bias: Mapping[str, bool] | None = None,
+) -> list[tuple[str, int]]:
+    """The first ``n`` heads to remove, ``[(module, head), ...]`` in the order the greedy choice takes them
+    (so the first ``k`` of them are the ``k`` it would remove: the choices are nested).
 
     ``fits[name]`` holds the normal equations of module ``name``'s output projection (input columns
     ``[h * Dv, (h + 1) * Dv)`` are head ``h``'s, ``Dv = I / heads[name]``): a :class:`LeastSquares` (the
@@ -173,25 +189,36 @@ def compensable_heads(
 
     for name in heads:
         cheapest(name)
-    removed: dict[str, list[int]] = {name: [] for name in heads}
+    order: list[tuple[str, int]] = []
     for _ in range(n):
         name = min(best, key=lambda k: best[k][0])
         rise, h = best[name]
         if h < 0:
             raise ValueError(f"cannot remove {n} heads: every module is down to one head")
         kept[name].remove(h)
-        removed[name].append(h)
+        order.append((name, h))
         now[name] += rise
         cheapest(name)
-    return {name: sorted(hs) for name, hs in removed.items() if hs}
+    return order
 
 
 def choose_compensable(
     model: nn.Module, batches: Sequence[Batch], objective: Objective, n: int, *, folds: int = FOLDS
 ) -> tuple[nn.Module, dict[str, list[int]]]:
-    """Prune the ``n`` heads the refit can best make up for on unseen texts (:func:`compensable_heads` on
-    each output projection's :class:`CrossValidated` map over the real tokens of ``batches``, ``folds``
-    folds; 1: in sample). Returns the pruned copy and the removed heads per module."""
+    """Prune the ``n`` heads the refit can best make up for on unseen texts (:func:`compensable_order`).
+    Returns the pruned copy and the removed heads per module."""
+    removed = grouped(
+        compensable_order(model, batches, objective, n, folds=folds), heads_tools.head_counts(model)
+    )
+    return heads_tools.prune(model, removed), removed
+
+
+def compensable_order(
+    model: nn.Module, batches: Sequence[Batch], objective: Objective, n: int, *, folds: int = FOLDS
+) -> list[tuple[str, int]]:
+    """The first ``n`` heads the refit can best make up for on unseen texts, in the order they go
+    (:func:`removal_order` on each output projection's :class:`CrossValidated` map over the real tokens of
+    ``batches``, ``folds`` folds; 1: in sample)."""
     fits = {
         name: CrossValidated(parts) for name, parts in output_folds(model, batches, objective, folds).items()
     }
@@ -199,8 +226,16 @@ def choose_compensable(
     bias = {name: output_projection(model, name, m).has_bias for name, m in modules.items()}
     counts = heads_tools.head_counts(model)
     heads = {name: h for name, h in counts.items() if name in fits}  # the modules that ran
-    removed = compensable_heads(fits, heads, n, bias=bias)
-    return heads_tools.prune(model, removed), removed
+    return removal_order(fits, heads, n, bias=bias)
+
+
+def grouped(order: Sequence[tuple[str, int]], modules: Iterable[str]) -> dict[str, list[int]]:
+    """``[(module, head), ...]`` -> ``{module: sorted heads}``, in the order of ``modules`` (every module
+    of ``order`` among them)."""
+    removed: dict[str, list[int]] = {}
+    for name, h in order:
+        removed.setdefault(name, []).append(h)
+    return {name: sorted(removed[name]) for name in modules if name in removed}
 
 
 def _counted(batches: Sequence[Batch], progress: Callable[[], None] | None) -> Iterator[Batch]:

@@ -30,7 +30,9 @@ __all__ = [
     "check_out",
     "encode",
     "heads_to_prune",
+    "check_amount",
     "parse_heads",
+    "parse_quality",
     "read_texts",
     "reconstruct_steps",
     "recover_steps",
@@ -84,7 +86,7 @@ class Options:
 
     model_dir: str | Path
     data: str | Path
-    heads: str
+    heads: str | None  # a fraction or a count; None with ``quality``
     out: str | Path
     recover: int | str | None = None  # None: DEFAULT_RECOVER
     reconstruct: int | str | None = None  # steps per layer; None: DEFAULT_RECONSTRUCT
@@ -100,6 +102,9 @@ class Options:
     seed: int = 0
     progress: bool = True
     timing: Settings = PAIR_SETTINGS
+    quality: str | float | None = (
+        None  # --quality: the share of the validation quality to keep (not with heads)
+    )
 
 
 def read_texts(path: str | Path) -> list[str]:
@@ -135,6 +140,32 @@ def parse_heads(text: str) -> float | int:
         f"--heads must be a fraction in (0, 1) (e.g. 0.25 prunes a quarter of the heads) or a count >= 1, "
         f"got {text!r}"
     )
+
+
+def parse_quality(text: Any) -> float:
+    """``"0.99"`` -> 0.99: the share of the original's validation quality ``--quality`` keeps, in (0, 1)."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        value = math.nan
+    if not 0 < value < 1:
+        raise PruneError(
+            f"--quality must be the share of the original's quality to keep, in (0, 1) (e.g. 0.99), got {text!r}"
+        )
+    return value
+
+
+def check_amount(heads: Any, quality: Any) -> None:
+    """Exactly one of ``--heads`` and ``--quality`` must be given."""
+    if heads is None and quality is None:
+        raise PruneError(
+            "give --heads (how many heads go, e.g. 0.25) or --quality (the share of the quality to keep, e.g. 0.99)"
+        )
+    if heads is not None and quality is not None:
+        raise PruneError(
+            f"give --heads or --quality, not both (got --heads {heads} and --quality {quality}): --heads fixes "
+            "how many heads go, --quality finds the most that keep that share of the quality"
+        )
 
 
 def heads_to_prune(value: float | int, counts: dict[str, int]) -> int:

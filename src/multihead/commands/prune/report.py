@@ -86,6 +86,29 @@ def _reconstruction_rows(errors: dict[str, list[float]]) -> list[list[str]]:
     return rows + [[name, f"{before:.4f}", f"{after:.4f}"] for name, (before, after) in errors.items()]
 
 
+def _asked(report: dict[str, Any]) -> str:
+    if report.get("quality_arg") is not None:
+        return f"`--quality {report['quality_arg']}`"
+    return f"`--heads {report['heads_arg']}`"
+
+
+def _floor_line(floor: dict[str, Any]) -> str:
+    """What ``--quality`` found: how many heads could go at that floor and what one more would have cost."""
+    nxt = floor["next"]
+    after = (
+        f"one head more ({nxt['heads']}) would have kept {nxt['validation']:.4f}, below the floor"
+        if nxt
+        else f"no head more can go (every layer keeps one: {floor['most']} at most)"
+    )
+    return (
+        f"**Quality floor {floor['quality']:g}:** {floor['removable']} of the heads can go keeping "
+        f"{floor['validation_at_removable']:.4f} of the original's validation quality after the refit; {after}. "
+        f"Tried (heads: validation share kept): "
+        + ", ".join(f"{k}: {v:.4f}" for k, v in floor["tried"].items())
+        + ". The later stages are kept only when they raise the validation quality."
+    )
+
+
 def markdown(report: dict[str, Any]) -> str:
     """The report as markdown: what was pruned, what each stage gave, where the numbers came from."""
     q, s, t = report["quality"], report["speed"], report["texts"]
@@ -110,10 +133,11 @@ def markdown(report: dict[str, Any]) -> str:
         f"# multihead prune: {report['model']}",
         "",
         f"{report['kind']} checkpoint, objective: {report['objective']}; pruned {report['pruned_count']} of "
-        f"{report['heads_before']} heads (`--heads {report['heads_arg']}`); {t['total']} texts: {t['train']} to "
+        f"{report['heads_before']} heads ({_asked(report)}); {t['total']} texts: {t['train']} to "
         f"choose heads, refit, reconstruct and recover on, {t['validation']} to validate (choose stages, stop recovery), "
         f"{t['held_out']} held out (measured only).",
         *(["", f"**Warning:** {report['warning']}"] if report.get("warning") else []),
+        *(["", _floor_line(report["floor"])] if report.get("floor") else []),
         "",
         markdown_table(rows),
         "",

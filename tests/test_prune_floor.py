@@ -1,0 +1,145 @@
+"""``multihead prune --quality Q``: the search for the most heads that keep a share of the validation quality
+(on a stand-in refit and validation), the command end to end on tiny random checkpoints, and its usage
+errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import checkpoints  # noqa: E402  (tests/checkpoints.py)
+
+from multihead import cli  # noqa: E402
+from multihead.bench.measure import Settings  # noqa: E402
+from multihead.commands import prune as P  # noqa: E402
+
+QUICK = Settings(warmup=0, min_rounds=1, max_rounds=1, budget_s=0.0)
+
+
+class _Counted(torch.nn.Module):
+    """A stand-in model: one attention module whose head count the fake validation reads."""
+
+    def __init__(self, heads: int) -> None:
+        super().__init__()
+        import multihead as mh
+
+        self.attn = mh.MultiHeadAttention(4 * heads, heads)
+
+
+def _fake_search(heads, losses, quality):
+    """Run :func:`P.search` over ``heads`` - 1 removable heads where removing ``n`` keeps ``losses[n]``."""
+    original = _Counted(heads)
+    order = [("attn", h) for h in range(heads - 1)]
+    calls = []
+
+    def refit(model, removed):
+        calls.append(sum(len(v) for v in removed.values()))
+        return model
+
+    def validate(model):
+        return losses[heads - model.attn.num_heads]
+
+    floor, model = P.search(original, order, quality, refit, validate)
+    return floor, model, calls
+
+
+@pytest.mark.parametrize(("quality", "expect"), [(0.995, 0), (0.975, 2), (0.955, 4), (0.94, 6), (0.5, 7)])
+def test_search_finds_the_most_heads_above_the_floor(quality, expect):
+    losses = [1.0 - 0.01 * n for n in range(8)]  # removing n heads keeps 1 - 0.01 n
+    floor, model, calls = _fake_search(8, losses, quality)
+    assert floor.n == expect and floor.most == 7
+    assert all((q >= quality) == (n <= expect) for n, q in floor.tried.items())  # never a wrong side
+    assert len(calls) <= 3 and set(calls) == set(floor.tried)  # log2(8) refits, each measured once
+    if expect == 0:
+        assert model is None
+    else:
+        assert model.attn.num_heads == 8 - expect and floor.tried[expect] >= quality
+    nxt = floor.next_head()
+    assert nxt == (None if expect == 7 else (expect + 1, pytest.approx(1.0 - 0.01 * (expect + 1))))
+    d = floor.as_dict()
+    assert d["removable"] == expect and (d["next"] is None) == (expect == 7)
+
+
+@pytest.mark.parametrize(("text", "ok"), [("0.99", True), ("0.5", True), ("1", False), ("0", False),
+                                          ("1.5", False), ("abc", False)])  # fmt: skip
+def test_parse_quality(text, ok):
+    if ok:
+        assert P.parse_quality(text) == float(text)
+    else:
+        with pytest.raises(P.PruneError, match="--quality"):
+            P.parse_quality(text)
+
+
+def test_relative_quality_of_each_objective():
+    assert P.Embedding().relative(0.97) == 0.97
+    assert P.CausalLM().relative(1.25) == pytest.approx(0.8)  # perplexity ratio 1.25 keeps 1 / 1.25
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return checkpoints.llama_folder(tmp_path_factory.mktemp("floor") / "llama")
+
+
+def _lines(tmp_path):
+    subjects = ["the cat", "a dog", "she", "he", "they", "we", "the big dog", "one small cat"]
+    verbs = ["sat on", "ran to", "looked at", "saw"]
+    things = ["the mat", "the red rug", "the house", "the blue garden", "the garden"]
+    path = tmp_path / "lines.txt"
+    path.write_text("\n".join(f"{s} {v} {t}" for s in subjects for v in verbs for t in things[:2]) + "\n")
+    return path
+
+
+def test_quality_floor_end_to_end(tmp_path, llama):
+    out = tmp_path / "out"
+    opts = P.Options(llama, _lines(tmp_path), None, out, quality="0.9", recover=2, reconstruct=4,
+                     progress=False, timing=QUICK)  # fmt: skip
+    report = P.run(opts, echo=lambda _: None)
+    floor = report["floor"]
+    assert report["quality_arg"] == "0.9" and report["heads_arg"] is None
+    assert floor["removable"] == report["pruned_count"] == report["heads_before"] - report["heads_after"]
+    assert 1 <= floor["removable"] <= floor["most"] == 8 - 2  # 2 layers x 4 heads, each keeps one
+    tried = {int(k): v for k, v in floor["tried"].items()}
+    assert tried[floor["removable"]] >= 0.9 and all(
+        v < 0.9 for k, v in tried.items() if k > floor["removable"]
+    )
+    stages = {s["stage"]: s for s in report["quality"]["stages"]}
+    refit = stages["refit"]
+    assert 1 / refit["validation"] == pytest.approx(
+        tried[floor["removable"]]
+    )  # the search's refit is the stage's
+    kept = [s for s in report["quality"]["stages"] if s["kept"]][-1]
+    assert 1 / kept["validation"] >= 0.9  # the saved model keeps the floor on the validation texts
+    text = (out / "prune_report.md").read_text()
+    assert "`--quality 0.9`" in text and "**Quality floor 0.9:**" in text
+    assert json.loads((out / "prune_report.json").read_text())["floor"] == floor
+
+
+@pytest.mark.parametrize(
+    ("args", "expect"),
+    [
+        ([], "give --heads"),
+        (["--heads", "0.25", "--quality", "0.99"], "not both"),
+        (["--quality", "1.5"], "--quality must be"),
+    ],
+)
+def test_amount_usage_errors(tmp_path, llama, capsys, args, expect):
+    out = tmp_path / "out"
+    argv = ["prune", str(llama), "--data", str(_lines(tmp_path)), "--recover", "0", "--reconstruct", "0",
+            "--out", str(out), *args]  # fmt: skip
+    code = cli.main(argv)
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and expect in err, err
+    assert not out.exists()
+
+
+def test_no_head_keeps_the_floor(tmp_path, llama):
+    out = tmp_path / "out"
+    opts = P.Options(llama, _lines(tmp_path), None, out, quality="0.9999999", recover=0, reconstruct=0,
+                     progress=False, timing=QUICK)  # fmt: skip
+    with pytest.raises(P.PruneError, match="no head can go"):
+        P.run(opts, echo=lambda _: None)
+    assert not out.exists()

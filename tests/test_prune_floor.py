@@ -33,7 +33,7 @@ class _Counted(torch.nn.Module):
 def _fake_search(heads, losses, quality):
     """Run :func:`P.search` over ``heads`` - 1 removable heads where removing ``n`` keeps ``losses[n]``."""
     original = _Counted(heads)
-    order = [("attn", h) for h in range(heads - 1)]
+    order = [("attn", (h,)) for h in range(heads - 1)]
     calls = []
 
     def refit(model, removed):
@@ -101,7 +101,8 @@ def test_quality_floor_end_to_end(tmp_path, llama):
     floor = report["floor"]
     assert report["quality_arg"] == "0.9" and report["heads_arg"] is None
     assert floor["removable"] == report["pruned_count"] == report["heads_before"] - report["heads_after"]
-    assert 1 <= floor["removable"] <= floor["most"] == 8 - 2  # 2 layers x 4 heads, each keeps one
+    # 2 layers x 4 query heads over 2 key/value heads: whole groups of 2 go, each layer keeps one
+    assert 1 <= floor["removable"] <= floor["most"] == 4 and floor["removable"] % 2 == 0
     tried = {int(k): v for k, v in floor["tried"].items()}
     assert tried[floor["removable"]] >= 0.9 and all(
         v < 0.9 for k, v in tried.items() if k > floor["removable"]
@@ -136,10 +137,41 @@ def test_amount_usage_errors(tmp_path, llama, capsys, args, expect):
     assert not out.exists()
 
 
-def test_no_head_keeps_the_floor(tmp_path, llama):
+def test_no_head_keeps_the_floor(tmp_path, llama, monkeypatch):
+    monkeypatch.setattr(P.Stages, "relative", lambda self, model: 0.5)  # every count tried keeps half
     out = tmp_path / "out"
-    opts = P.Options(llama, _lines(tmp_path), None, out, quality="0.9999999", recover=0, reconstruct=0,
+    opts = P.Options(llama, _lines(tmp_path), None, out, quality="0.9", recover=0, reconstruct=0,
                      progress=False, timing=QUICK)  # fmt: skip
     with pytest.raises(P.PruneError, match="no head can go"):
         P.run(opts, echo=lambda _: None)
     assert not out.exists()
+
+
+def test_grouped_query_heads_go_by_whole_groups_and_the_kv_heads_shrink():
+    """Under GQA the choice takes the query heads sharing a key/value head together, so the pruned module has
+    fewer key/value heads (an uneven pick would make heads.prune repeat them and grow the KV cache)."""
+    import multihead as mh
+    from multihead import heads
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict(
+        {"a": mh.MultiHeadAttention(24, 6, kv_heads=2), "b": mh.MultiHeadAttention(24, 6)}
+    )
+    assert P.gqa_groups(model) == {"a": 3}
+    fits = {}
+    for name in ("a", "b"):
+        fit = P.LeastSquares(24, 24)
+        x = torch.randn(200, 24, dtype=torch.float64)
+        fit.add(x, x @ torch.randn(24, 24, dtype=torch.float64))
+        fits[name] = fit
+    order = P.removal_order(fits, {"a": 6, "b": 6}, 8, groups=P.gqa_groups(model))
+    assert all(len(u) == (3 if name == "a" else 1) for name, u in order)
+    assert all(u in [(0, 1, 2), (3, 4, 5)] for name, u in order if name == "a")
+    assert sum(len(u) for _, u in order) <= 8
+    removed = P.grouped(order, ["a", "b"])
+    small = heads.prune(model, removed)
+    if "a" in removed:
+        assert small["a"].kv_heads == 1 and small["a"].num_heads == 3
+    with pytest.raises(P.PruneError, match="one key/value group"):
+        P.heads_to_prune(9, {"a": 6, "b": 6}, {"a": 3})  # a keeps 3, b keeps 1: at most 8
+    assert P.heads_to_prune(8, {"a": 6, "b": 6}, {"a": 3}) == 8

@@ -45,6 +45,7 @@ __all__ = [
     "choose_compensable",
     "compensable_heads",
     "compensable_order",
+    "gqa_groups",
     "grouped",
     "removal_order",
     "spread_subset",
@@ -143,10 +144,13 @@ def compensable_heads(
     n: int,
     *,
     bias: Mapping[str, bool] | None = None,
+    groups: Mapping[str, int] | None = None,
 ) -> dict[str, list[int]]:
-    """The ``n`` heads to remove, ``{module: sorted head indices}``: the first ``n`` of
-    :func:`removal_order`."""
-    return grouped(removal_order(fits, heads, n, bias=bias), heads)
+    """The heads to remove, ``{module: sorted head indices}``: those of :func:`removal_order`."""
+    return grouped(removal_order(fits, heads, n, bias=bias, groups=groups), heads)
+
+
+Unit = tuple[str, tuple[int, ...]]  # (module, the heads that go together)
 
 
 def removal_order(
@@ -155,49 +159,64 @@ def removal_order(
     n: int,
     *,
     bias: Mapping[str, bool] | None = None,
-) -> list[tuple[str, int]]:
-    """The first ``n`` heads to remove, ``[(module, head), ...]`` in the order the greedy choice takes them
-    (so the first ``k`` of them are the ``k`` it would remove: the choices are nested).
+    groups: Mapping[str, int] | None = None,
+) -> list[Unit]:
+    """The units of heads to remove, at most ``n`` heads in all, ``[(module, heads), ...]`` in the order the
+    greedy choice takes them (so its first ``k`` units are the ones it would take for their heads: the
+    choices are nested).
 
     ``fits[name]`` holds the normal equations of module ``name``'s output projection (input columns
     ``[h * Dv, (h + 1) * Dv)`` are head ``h``'s, ``Dv = I / heads[name]``): a :class:`LeastSquares` (the
     residual in sample) or a :class:`CrossValidated` (out of sample); ``bias[name]``: whether its
-    refit has an intercept (default True). Each step removes the head whose removal raises its module's
-    residual (:meth:`LeastSquares.residual`) divided by the module's :meth:`LeastSquares.spread` the least;
-    a module keeps at least one head. Ties go to the earlier module and the lower head.
+    refit has an intercept (default True); ``groups[name]``: the heads of a unit (default 1: each head
+    alone; under grouped-query attention the query heads sharing a key/value head, so that the key/value
+    head goes with them and the groups stay even). Each step removes the unit whose removal raises its
+    module's residual (:meth:`LeastSquares.residual`) divided by the module's :meth:`LeastSquares.spread`
+    the least, among those that fit in the heads left to remove; a module keeps at least one unit. Ties go
+    to the earlier module and the lower head. ``ValueError`` if ``n`` heads cannot go.
     """
-    kept = {name: list(range(h)) for name, h in heads.items()}
+    size = {name: 1 if groups is None else groups.get(name, 1) for name in heads}
+    kept = {
+        name: [tuple(range(u, u + size[name])) for u in range(0, h, size[name])] for name, h in heads.items()
+    }
     width = {name: fits[name].inputs for name in heads}
     scale = {name: max(fits[name].spread(), 1e-30) for name in heads}
     with_bias = {name: True if bias is None else bias[name] for name in heads}
 
-    def residual(name: str, keep: list[int]) -> float:
+    def residual(name: str, keep: list[tuple[int, ...]]) -> float:
         dv = width[name] // heads[name]
-        cols = torch.cat([torch.arange(h * dv, (h + 1) * dv) for h in keep])  # (len(keep) * Dv,)
+        cols = torch.cat([torch.arange(h * dv, (h + 1) * dv) for u in keep for h in u])  # (kept * Dv,)
         return fits[name].residual(cols, bias=with_bias[name]) / scale[name]
 
     now = {name: residual(name, kept[name]) for name in heads}
-    best: dict[str, tuple[float, int]] = {}  # module -> (rise of its residual, head) of its cheapest head
+    best: dict[
+        str, tuple[float, tuple[int, ...]]
+    ] = {}  # module -> (rise of its residual, unit): its cheapest
 
     def cheapest(name: str) -> None:
         if len(kept[name]) == 1:
-            best[name] = (math.inf, -1)
+            best[name] = (math.inf, ())
             return
         best[name] = min(
-            (residual(name, [k for k in kept[name] if k != h]) - now[name], h) for h in kept[name]
+            (residual(name, [k for k in kept[name] if k != u]) - now[name], u) for u in kept[name]
         )
 
     for name in heads:
         cheapest(name)
-    order: list[tuple[str, int]] = []
-    for _ in range(n):
-        name = min(best, key=lambda k: best[k][0])
-        rise, h = best[name]
-        if h < 0:
+    order: list[Unit] = []
+    left = n
+    while left > 0:
+        fitting = [k for k in best if size[k] <= left and best[k][1]]
+        if not fitting:
+            if any(best[k][1] for k in best):
+                break  # the units left are larger than the heads left to remove
             raise ValueError(f"cannot remove {n} heads: every module is down to one head")
-        kept[name].remove(h)
-        order.append((name, h))
+        name = min(fitting, key=lambda k: best[k][0])
+        rise, unit = best[name]
+        kept[name].remove(unit)
+        order.append((name, unit))
         now[name] += rise
+        left -= len(unit)
         cheapest(name)
     return order
 
@@ -215,10 +234,11 @@ def choose_compensable(
 
 def compensable_order(
     model: nn.Module, batches: Sequence[Batch], objective: Objective, n: int, *, folds: int = FOLDS
-) -> list[tuple[str, int]]:
-    """The first ``n`` heads the refit can best make up for on unseen texts, in the order they go
+) -> list[Unit]:
+    """At most ``n`` heads the refit can best make up for on unseen texts, in the order they go
     (:func:`removal_order` on each output projection's :class:`CrossValidated` map over the real tokens of
-    ``batches``, ``folds`` folds; 1: in sample)."""
+    ``batches``, ``folds`` folds; 1: in sample); under grouped-query attention the query heads that share a
+    key/value head go together (:func:`gqa_groups`)."""
     fits = {
         name: CrossValidated(parts) for name, parts in output_folds(model, batches, objective, folds).items()
     }
@@ -226,15 +246,24 @@ def compensable_order(
     bias = {name: output_projection(model, name, m).has_bias for name, m in modules.items()}
     counts = heads_tools.head_counts(model)
     heads = {name: h for name, h in counts.items() if name in fits}  # the modules that ran
-    return removal_order(fits, heads, n, bias=bias)
+    return removal_order(fits, heads, n, bias=bias, groups=gqa_groups(model))
 
 
-def grouped(order: Sequence[tuple[str, int]], modules: Iterable[str]) -> dict[str, list[int]]:
-    """``[(module, head), ...]`` -> ``{module: sorted heads}``, in the order of ``modules`` (every module
+def gqa_groups(model: nn.Module) -> dict[str, int]:
+    """``{module: query heads per key/value head}`` of each attention module with fewer key/value heads
+    than query heads: removed together, such a group takes its key/value head with it (the KV cache
+    shrinks), and the groups stay even (an uneven layer would repeat key/value heads to even them,
+    :func:`multihead.heads.prune`, and its KV cache would grow)."""
+    counts = {name: module_heads(m) for name, m in attention_modules(model).items()}
+    return {name: h // hkv for name, (h, hkv) in counts.items() if hkv < h}
+
+
+def grouped(order: Sequence[Unit], modules: Iterable[str]) -> dict[str, list[int]]:
+    """``[(module, heads), ...]`` -> ``{module: sorted heads}``, in the order of ``modules`` (every module
     of ``order`` among them)."""
     removed: dict[str, list[int]] = {}
-    for name, h in order:
-        removed.setdefault(name, []).append(h)
+    for name, unit in order:
+        removed.setdefault(name, []).extend(unit)
     return {name: sorted(removed[name]) for name in modules if name in removed}
 
 

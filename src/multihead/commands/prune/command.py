@@ -16,7 +16,7 @@ from ...bench.pair import machine
 from ...progress import Progress
 from .. import model_dir
 from ..training import count_params
-from .choose import check_prunable, choose_compensable, compensable_order, grouped, spread_subset
+from .choose import check_prunable, choose_compensable, compensable_order, gqa_groups, spread_subset
 from .floor import Floor, search
 from .inputs import (
     DEFAULT_RECONSTRUCT,
@@ -28,6 +28,7 @@ from .inputs import (
     check_out,
     encode,
     heads_to_prune,
+    most_heads,
     parse_heads,
     parse_quality,
     read_texts,
@@ -109,7 +110,7 @@ def prepare(opts: Options) -> Job:
         raise PruneError(str(e)) from e
     loaded.model.eval()
     counts = check_prunable(loaded.model)
-    n = 0 if value is None else heads_to_prune(value, counts)  # --quality: found by the search
+    n = 0 if value is None else heads_to_prune(value, counts, gqa_groups(loaded.model))  # --quality: searched
     texts = {"train": splits.train, "validation": splits.validation, "held_out": splits.held_out}
     ids = {k: encode(loaded.tokenizer, v, loaded.max_length, opts.truncate) for k, v in texts.items()}
     return Job(loaded, OBJECTIVES[loaded.kind](), counts, n, splits, ids, steps, reconstruct, floor=floor)
@@ -199,8 +200,11 @@ def _prune(
     removed heads, the refit model (None without ``--quality``) and the search's :class:`~.floor.Floor`."""
     original, batches = job.loaded.model, job.batches["choose"]
     if job.floor is None:
-        return (*choose_compensable(original, batches, job.objective, job.n), None, None)
-    order = compensable_order(original, batches, job.objective, sum(job.counts.values()) - len(job.counts))
+        pruned, removed = choose_compensable(original, batches, job.objective, job.n)
+        job.n = sum(map(len, removed.values()))  # fewer under grouped-query attention: whole groups go
+        return pruned, removed, None, None
+    most = most_heads(job.counts, gqa_groups(original))
+    order = compensable_order(original, batches, job.objective, most)
     floor, refit = search(
         original, order, job.floor, lambda m, removed: _refit_copy(job, opts, m, removed), stages.relative
     )
@@ -210,11 +214,11 @@ def _prune(
         )
     if floor.n == 0:
         raise PruneError(
-            f"--quality {job.floor:g}: no head can go (removing one and refitting keeps {floor.tried[1]:.6f} of "
-            "the validation quality); lower --quality"
+            f"--quality {job.floor:g}: no head can go (removing the first and refitting keeps "
+            f"{min(floor.tried.items())[1]:.6f} of the validation quality); lower --quality"
         )
     job.n = floor.n
-    removed = grouped(order[: floor.n], job.counts)
+    removed = floor.removed
     return heads_tools.prune(original, removed), removed, refit, floor
 
 

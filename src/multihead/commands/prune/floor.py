@@ -20,7 +20,7 @@ from typing import Any
 from torch import nn
 
 from ... import heads as heads_tools
-from .choose import grouped
+from .choose import Unit, grouped
 
 __all__ = ["Floor", "search"]
 
@@ -34,12 +34,13 @@ class Floor:
     most: int  # the most heads that can go (every layer keeps one)
     tried: dict[int, float] = field(default_factory=dict)
     n: int = 0
+    removed: dict[str, list[int]] = field(default_factory=dict)  # the n heads, {module: heads}
 
     def next_head(self) -> tuple[int, float] | None:
-        """``(n + 1, its validation quality)``: what one head more would have left (None: not measured,
-        ``n`` is already the most that can go)."""
-        nxt = self.n + 1
-        return (nxt, self.tried[nxt]) if nxt in self.tried else None
+        """``(heads, validation quality)`` of the next count after ``n`` (one head more, or one key/value
+        group more under grouped-query attention): what it would have left (None: ``n`` is the most)."""
+        more = [k for k in self.tried if k > self.n]
+        return (min(more), self.tried[min(more)]) if more else None
 
     def as_dict(self) -> dict[str, Any]:
         nxt = self.next_head()
@@ -55,26 +56,30 @@ class Floor:
 
 def search(
     original: nn.Module,
-    order: list[tuple[str, int]],
+    order: list[Unit],
     quality: float,
     refit: Callable[[nn.Module, dict[str, list[int]]], nn.Module],
     validate: Callable[[nn.Module], float],
 ) -> tuple[Floor, nn.Module | None]:
-    """The largest ``n`` whose first ``n`` heads of ``order`` removed, then ``refit(pruned, removed)``, keep
-    ``validate(model) >= quality`` (binary search, assuming the quality falls as ``n`` grows). Returns the
-    :class:`Floor` and the refit model at that ``n`` (None when ``n`` is 0)."""
-    floor = Floor(quality, len(order))
+    """The most heads, the first units of ``order`` (:func:`~.choose.removal_order`), whose removal, then
+    ``refit(pruned, removed)``, keeps ``validate(model) >= quality`` (binary search over the number of
+    units, assuming the quality falls as more go). Returns the :class:`Floor` (``n`` in heads) and the
+    refit model at that ``n`` (None when ``n`` is 0)."""
+    heads = [0]  # heads[k]: the heads of the first k units
+    for _, unit in order:
+        heads.append(heads[-1] + len(unit))
+    floor = Floor(quality, heads[-1])
     modules = list(heads_tools.head_counts(original))
     best: nn.Module | None = None
-    lo, hi = 0, len(order) + 1  # lo keeps the floor (no head removed: 1.0), hi does not (past the most)
+    lo, hi = 0, len(order) + 1  # units: lo keeps the floor (none removed: 1.0), hi does not (past the most)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         removed = grouped(order[:mid], modules)
         model = refit(heads_tools.prune(original, removed), removed)
-        floor.tried[mid] = validate(model)
-        if floor.tried[mid] >= quality:
+        floor.tried[heads[mid]] = validate(model)
+        if floor.tried[heads[mid]] >= quality:
             lo, best = mid, model
         else:
             hi = mid
-    floor.n = lo
+    floor.n, floor.removed = heads[lo], grouped(order[:lo], modules)
     return floor, best

@@ -30,6 +30,7 @@ __all__ = [
     "check_out",
     "encode",
     "heads_to_prune",
+    "most_heads",
     "check_amount",
     "parse_heads",
     "parse_quality",
@@ -168,17 +169,28 @@ def check_amount(heads: Any, quality: Any) -> None:
         )
 
 
-def heads_to_prune(value: float | int, counts: dict[str, int]) -> int:
-    """How many heads ``--heads value`` prunes out of ``counts`` ({module: H}); no module may lose all."""
-    total, most = sum(counts.values()), sum(counts.values()) - len(counts)
+def heads_to_prune(value: float | int, counts: dict[str, int], groups: dict[str, int] | None = None) -> int:
+    """How many heads ``--heads value`` prunes out of ``counts`` ({module: H}); no module may lose all.
+    ``groups`` ({module: G}): modules whose heads go in groups of G (grouped-query attention: each keeps one
+    group at least, and a count between two multiples of G is rounded down by the choice)."""
+    groups = groups or {}
+    total, most = sum(counts.values()), most_heads(counts, groups)
     n = max(1, round(value * total)) if isinstance(value, float) else value
     if n > most:
         asked = f"{value} of {total} heads = {n}" if isinstance(value, float) else f"{n} of {total} heads"
+        keeps = "at least one head" + (
+            " (one key/value group under grouped-query attention)" if groups else ""
+        )
         raise PruneError(
             f"--heads {value}: pruning {asked} would empty a layer (each of the {len(counts)} attention "
-            f"layers keeps at least one head, so at most {most} can go)"
+            f"layers keeps {keeps}, so at most {most} can go)"
         )
     return n
+
+
+def most_heads(counts: dict[str, int], groups: dict[str, int]) -> int:
+    """The most heads that can go when each module keeps one head, or one group of ``groups[module]``."""
+    return sum(h - groups.get(name, 1) for name, h in counts.items())
 
 
 def _steps(value: int | str | None, default: int, flag: str, zero: str) -> int:

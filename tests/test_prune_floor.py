@@ -114,7 +114,15 @@ def test_quality_floor_end_to_end(tmp_path, llama):
     )  # the search's refit is the stage's
     kept = [s for s in report["quality"]["stages"] if s["kept"]][-1]
     assert 1 / kept["validation"] >= 0.9  # the saved model keeps the floor on the validation texts
+    decode = report["speed"]["decode"]  # a causal LM: greedy decoding speed and the KV cache's size
+    kv_heads = [h // 2 for h in report["heads_left"].values()]  # 2 query heads per key/value head
+    assert decode["kv_bytes_per_token"] == [
+        2 * 2 * 2 * 8 * 4,
+        sum(2 * k * 8 * 4 for k in kv_heads),
+    ]  # K and V, D = 8
+    assert decode["original_tokens_per_s"] > 0 and decode["pruned_tokens_per_s"] > 0
     text = (out / "prune_report.md").read_text()
+    assert "KV cache per token" in text and "tokens/s" in text
     assert "`--quality 0.9`" in text and "**Quality floor 0.9:**" in text
     assert json.loads((out / "prune_report.json").read_text())["floor"] == floor
 

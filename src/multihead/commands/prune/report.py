@@ -8,13 +8,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 from ...bench.measure import Settings
 from ...bench.pair import time_pair
 from ...progress import Progress
 from ..training import markdown_table
-from .objectives import Objective, make_batches
+from .objectives import CausalLM, Objective, make_batches
 
 __all__ = ["markdown", "save", "speed"]
 
@@ -42,7 +43,7 @@ def speed(
             settings=settings,
             note=lambda _: bar.update(1),
         )
-    return {
+    out = {
         "batch": b,
         "tokens": length,
         "rounds": timing.speedup.n,
@@ -51,6 +52,53 @@ def speed(
         "speedup": timing.speedup.median,
         "speedup_q1": timing.speedup.q1,
         "speedup_q3": timing.speedup.q3,
+    }
+    if isinstance(objective, CausalLM):
+        out["decode"] = decode_speed(original, pruned, batch.inputs["input_ids"][:1], settings, progress)
+    return out
+
+
+DECODE_STEPS = 32  # tokens generated per timed call of :func:`decode_speed`
+
+
+def _decode(model: nn.Module, prompt: Tensor, steps: int) -> Any:
+    """Greedy decoding of ``steps`` tokens after ``prompt`` (1, L) with the model's KV cache; the cache."""
+    with torch.no_grad():
+        out = model(input_ids=prompt, use_cache=True)
+        for _ in range(steps):
+            token = out.logits[:, -1:].argmax(-1)  # (1, 1)
+            out = model(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
+    return out.past_key_values
+
+
+def kv_bytes_per_token(model: nn.Module, prompt: Tensor) -> float:
+    """The bytes the model's KV cache holds per token, measured: the cache after ``prompt`` (1, L)."""
+    with torch.no_grad():
+        cache = model(input_ids=prompt, use_cache=True).past_key_values
+    total = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    return total / prompt.shape[1]
+
+
+def decode_speed(
+    original: nn.Module, pruned: nn.Module, prompt: Tensor, settings: Settings, progress: bool
+) -> dict[str, Any]:
+    """Greedy decoding of :data:`DECODE_STEPS` tokens after ``prompt`` (1, L) with the KV cache, both models
+    in interleaved rounds: tokens per second of each, and the KV cache's bytes per token of each."""
+    with Progress(settings.max_rounds + settings.warmup, "decode", enabled=progress) as bar:
+        timing = time_pair(
+            lambda: _decode(original, prompt, DECODE_STEPS),
+            lambda: _decode(pruned, prompt, DECODE_STEPS),
+            settings=settings,
+            note=lambda _: bar.update(1),
+        )
+    return {
+        "prompt_tokens": prompt.shape[1],
+        "steps": DECODE_STEPS,
+        "rounds": timing.speedup.n,
+        "original_tokens_per_s": DECODE_STEPS / timing.first_s.median,
+        "pruned_tokens_per_s": DECODE_STEPS / timing.second_s.median,
+        "speedup": timing.speedup.median,
+        "kv_bytes_per_token": [kv_bytes_per_token(m, prompt) for m in (original, pruned)],
     }
 
 
@@ -109,6 +157,20 @@ def _floor_line(floor: dict[str, Any]) -> str:
     )
 
 
+def _decode_rows(d: dict[str, Any] | None) -> list[list[str]]:
+    if not d:
+        return []
+    before, after = d["kv_bytes_per_token"]
+    return [
+        [
+            f"greedy decoding ({d['steps']} tokens after {d['prompt_tokens']}, KV cache)",
+            f"{d['original_tokens_per_s']:.1f} tokens/s",
+            f"{d['pruned_tokens_per_s']:.1f} tokens/s (speed-up {d['speedup']:.2f}x)",
+        ],
+        ["KV cache per token", f"{before:,.0f} bytes", f"{after:,.0f} bytes ({after / before:.0%})"],
+    ]
+
+
 def markdown(report: dict[str, Any]) -> str:
     """The report as markdown: what was pruned, what each stage gave, where the numbers came from."""
     q, s, t = report["quality"], report["speed"], report["texts"]
@@ -121,6 +183,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"{s['original_ms']:.1f} ms",
             f"{s['pruned_ms']:.1f} ms (speed-up {s['speedup']:.2f}x [{s['speedup_q1']:.2f}, {s['speedup_q3']:.2f}])",
         ],
+        *_decode_rows(s.get("decode")),
         [
             f"held-out {q['metric']}",
             "1.0 (reference)",

@@ -1,9 +1,11 @@
 """``multihead prune --quality Q``: the search for the most heads that keep a share of the validation quality
 (on a stand-in refit and validation), the command end to end on tiny random checkpoints, and its usage
-errors."""
+errors; grouped-query heads chosen by whole groups; the benchmarks' peer (gradient importance, recovery
+only)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -183,3 +185,14 @@ def test_grouped_query_heads_go_by_whole_groups_and_the_kv_heads_shrink():
     with pytest.raises(P.PruneError, match="one key/value group"):
         P.heads_to_prune(9, {"a": 6, "b": 6}, {"a": 3})  # a keeps 3, b keeps 1: at most 8
     assert P.heads_to_prune(8, {"a": 6, "b": 6}, {"a": 3}) == 8
+
+
+def test_the_gradient_importance_peer_recovers_only(tmp_path, llama):
+    out = tmp_path / "out"
+    opts = P.Options(llama, _lines(tmp_path), "3", out, recover=2, importance_rounds=1, progress=False,
+                     timing=QUICK)  # fmt: skip
+    report = P.run(opts, echo=lambda _: None)
+    assert [s["stage"] for s in report["quality"]["stages"]] == ["pruned", "recovered"]
+    assert report["pruned_count"] == 3 == report["heads_before"] - report["heads_after"]  # single heads
+    with pytest.raises(P.PruneError, match="not --quality"):
+        P.run(dataclasses.replace(opts, heads=None, quality="0.9", out=tmp_path / "o2"), echo=lambda _: None)

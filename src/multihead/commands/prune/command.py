@@ -16,7 +16,14 @@ from ...bench.pair import machine
 from ...progress import Progress
 from .. import model_dir
 from ..training import count_params
-from .choose import check_prunable, choose_compensable, compensable_order, gqa_groups, spread_subset
+from .choose import (
+    check_prunable,
+    choose_and_prune,
+    choose_compensable,
+    compensable_order,
+    gqa_groups,
+    spread_subset,
+)
 from .floor import Floor, search
 from .inputs import (
     DEFAULT_RECONSTRUCT,
@@ -98,6 +105,8 @@ class Job:
 def prepare(opts: Options) -> Job:
     """Check every input (:class:`PruneError` on the first bad one, nothing written) and load the checkpoint."""
     check_amount(opts.heads, opts.quality)
+    if opts.importance_rounds and opts.quality is not None:
+        raise PruneError("the gradient-importance peer prunes a given --heads only, not --quality")
     value = None if opts.heads is None else parse_heads(opts.heads)
     floor = None if opts.quality is None else parse_quality(opts.quality)
     steps = recover_steps(opts.recover)
@@ -199,6 +208,10 @@ def _prune(
     (:func:`~.floor.search`), and that refit model too (the refit stage's). Returns the pruned model, the
     removed heads, the refit model (None without ``--quality``) and the search's :class:`~.floor.Floor`."""
     original, batches = job.loaded.model, job.batches["choose"]
+    if opts.importance_rounds:  # the peer: Michel et al.'s gradient importance
+        job.objective.prepare(original, batches)
+        pruned, removed = choose_and_prune(original, batches, job.objective, job.n, opts.importance_rounds)
+        return pruned, removed, None, None
     if job.floor is None:
         pruned, removed = choose_compensable(original, batches, job.objective, job.n)
         job.n = sum(map(len, removed.values()))  # fewer under grouped-query attention: whole groups go
@@ -381,8 +394,10 @@ def run(opts: Options, *, echo: Echo = print) -> dict[str, Any]:
     stages = Stages(job, echo)
     pruned, removed, refit, floor = _prune(job, opts, stages)
     stages.measure(PRUNED, pruned, kept=True)
-    model = _refit(job, opts, pruned, removed, stages, refit)
-    model, errors = _reconstruct(job, opts, model, removed, stages)
+    model, errors = pruned, {}
+    if not opts.importance_rounds:  # the peer recovers only
+        model = _refit(job, opts, pruned, removed, stages, refit)
+        model, errors = _reconstruct(job, opts, model, removed, stages)
     rec = _recover(job, opts, model, stages)
     report = _report(job, opts, model, removed, stages, rec, errors, floor)
     report["seconds"] = time.perf_counter() - started

@@ -103,9 +103,9 @@ class Options:
     seed: int = 0
     progress: bool = True
     timing: Settings = PAIR_SETTINGS
-    quality: str | float | None = (
-        None  # --quality: the share of the validation quality to keep (not with heads)
-    )
+    quality: str | float | None = None  # --quality: the share of the validation quality to keep
+    importance_rounds: int = 0  # > 0: the benchmarks' peer -- heads chosen by gradient importance in this
+    # many rounds (Michel et al., choose.choose_and_prune), no refit or reconstruction stage, recovery alone
 
 
 def read_texts(path: str | Path) -> list[str]:

@@ -196,3 +196,15 @@ def test_the_gradient_importance_peer_recovers_only(tmp_path, llama):
     assert report["pruned_count"] == 3 == report["heads_before"] - report["heads_after"]  # single heads
     with pytest.raises(P.PruneError, match="not --quality"):
         P.run(dataclasses.replace(opts, heads=None, quality="0.9", out=tmp_path / "o2"), echo=lambda _: None)
+
+
+def test_default_training_steps_shrink_with_the_models_size():
+    assert P.size_scale(22_713_216) == 1.0 == P.size_scale(1000)  # MiniLM (the reference) and smaller
+    assert P.size_scale(134_515_008) == pytest.approx(0.1689, abs=1e-4)  # SmolLM2-135M
+    assert (
+        P.recover_steps(None, scale=0.5) == 120 and P.recover_steps(None, reconstructed=True, scale=0.5) == 60
+    )
+    assert P.recover_steps("7", scale=0.1) == 7  # an explicit --recover holds
+    assert P.reconstruct_steps(None) == 300 and P.reconstruct_steps(None, layers=12) == 150
+    assert P.reconstruct_steps(None, scale=0.1689, layers=30) == 0  # 10 a layer: below one check's worth
+    assert P.reconstruct_steps("40", scale=0.1689, layers=30) == 40

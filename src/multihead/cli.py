@@ -195,14 +195,16 @@ def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser
     prune.add_argument(
         "--recover",
         metavar="STEPS",
-        help="distillation steps after pruning (default 240, or 120 when the reconstruction was kept; "
-        "0.1-0.4 s a step for MiniLM on a quiet 2-core CPU; 0: none)",
+        help="distillation steps after pruning (default 240, or 120 when the reconstruction was kept, "
+        "scaled down for models larger than MiniLM's 23M parameters; 0.1-0.4 s a step for MiniLM on a quiet "
+        "2-core CPU; 0: none)",
     )
     prune.add_argument(
         "--reconstruct",
         metavar="STEPS",
         help="training steps per pruned layer to give the original layer's output (default 300, about "
-        "8 s a layer for MiniLM on a quiet 2-core CPU; 0: none)",
+        "8 s a layer for MiniLM on a quiet 2-core CPU, scaled down for larger models, none below 25 a layer; "
+        "0: none)",
     )
     prune.add_argument(
         "--out", required=True, metavar="OUT_DIR", help="a new folder for the pruned checkpoint"

@@ -70,6 +70,7 @@ from .inputs import (
     reconstruct_steps,
     recover_steps,
     recovery_lrs,
+    size_scale,
     split_texts,
 )
 from .objectives import (
@@ -165,6 +166,7 @@ __all__ = [
     "removal_order",
     "run",
     "search",
+    "size_scale",
     "spearman",
     "split_texts",
 ]

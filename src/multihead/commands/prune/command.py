@@ -42,6 +42,7 @@ from .inputs import (
     reconstruct_steps,
     recover_steps,
     recovery_lrs,
+    size_scale,
     split_texts,
 )
 from .objectives import OBJECTIVES, Batch, Objective, crops, make_batches
@@ -76,6 +77,7 @@ class Job:
     reconstruct: int = DEFAULT_RECONSTRUCT  # steps per pruned layer (0: no reconstruction stage)
     batches: dict[str, list[Batch]] = field(default_factory=dict)
     floor: float | None = None  # --quality: the share of the validation quality to keep (n found by search)
+    scale: float = 1.0  # of the default training steps, by the model's size (inputs.size_scale)
 
     def describe(self) -> str:
         s, total = self.splits, sum(self.counts.values())
@@ -109,8 +111,8 @@ def prepare(opts: Options) -> Job:
         raise PruneError("the gradient-importance peer prunes a given --heads only, not --quality")
     value = None if opts.heads is None else parse_heads(opts.heads)
     floor = None if opts.quality is None else parse_quality(opts.quality)
-    steps = recover_steps(opts.recover)
-    reconstruct = reconstruct_steps(opts.reconstruct)
+    recover_steps(opts.recover)  # checked now; the defaults depend on the model's size (below)
+    reconstruct_steps(opts.reconstruct)
     check_out(Path(opts.out))
     splits = split_texts(read_texts(opts.data), opts.held_out, opts.validation)
     try:
@@ -119,10 +121,24 @@ def prepare(opts: Options) -> Job:
         raise PruneError(str(e)) from e
     loaded.model.eval()
     counts = check_prunable(loaded.model)
+    scale = size_scale(count_params(loaded.model))
+    steps = recover_steps(opts.recover, scale=scale)
+    reconstruct = reconstruct_steps(opts.reconstruct, scale=scale, layers=len(counts))
     n = 0 if value is None else heads_to_prune(value, counts, gqa_groups(loaded.model))  # --quality: searched
     texts = {"train": splits.train, "validation": splits.validation, "held_out": splits.held_out}
     ids = {k: encode(loaded.tokenizer, v, loaded.max_length, opts.truncate) for k, v in texts.items()}
-    return Job(loaded, OBJECTIVES[loaded.kind](), counts, n, splits, ids, steps, reconstruct, floor=floor)
+    return Job(
+        loaded,
+        OBJECTIVES[loaded.kind](),
+        counts,
+        n,
+        splits,
+        ids,
+        steps,
+        reconstruct,
+        floor=floor,
+        scale=scale,
+    )
 
 
 def _batch(job: Job, opts: Options) -> None:
@@ -283,7 +299,9 @@ def _reconstruct(
     errors_lists = {k: list(v) for k, v in errors.items()}
     if not stages.rows[-1]["kept"]:
         return model, errors_lists
-    job.steps = recover_steps(opts.recover, reconstructed=True)  # less left to recover: a shorter default
+    job.steps = recover_steps(
+        opts.recover, reconstructed=True, scale=job.scale
+    )  # less left: a shorter default
     return candidate, errors_lists
 
 
@@ -345,6 +363,8 @@ def _report(
         },  # fmt: skip
         "warning": job.warning(),
         "reconstruction": errors,  # layer -> validation error [before, after] (relative mean square)
+        "default_steps_scale": job.scale,
+        "reconstruct_steps": job.reconstruct,
         "recovery": {
             "steps": job.steps,
             "steps_run": len(rec.losses),

@@ -38,6 +38,7 @@ __all__ = [
     "reconstruct_steps",
     "recover_steps",
     "recovery_lrs",
+    "size_scale",
     "split_texts",
 ]
 
@@ -206,20 +207,41 @@ def _steps(value: int | str | None, default: int, flag: str, zero: str) -> int:
     return steps
 
 
-def recover_steps(value: int | str | None, *, reconstructed: bool = False) -> int:
+REFERENCE_PARAMS = 22_713_216
+"""Parameters of all-MiniLM-L6-v2, the model the default steps were measured on: for a larger model the
+defaults shrink in proportion (:func:`size_scale`), so that the training stages cost about what they cost
+there (a step's work grows with the parameters)."""
+REFERENCE_LAYERS = 6  # all-MiniLM-L6-v2's layers: the default reconstruction steps are per layer there
+MIN_RECONSTRUCT = 25
+"""Fewer default reconstruction steps per layer than this (one validation check's worth) and the stage is
+skipped: its checks would cost more than its steps."""
+
+
+def size_scale(params: int) -> float:
+    """How much of the default training steps a model of ``params`` parameters gets: ``REFERENCE_PARAMS /
+    params``, at most 1 (SmolLM2-135M: 0.17)."""
+    return min(1.0, REFERENCE_PARAMS / max(params, 1))
+
+
+def recover_steps(value: int | str | None, *, reconstructed: bool = False, scale: float = 1.0) -> int:
     """``--recover`` as a number of steps (None: :data:`DEFAULT_RECOVER`, or
-    :data:`DEFAULT_RECOVER_RECONSTRUCTED` when the reconstruction stage was kept)."""
+    :data:`DEFAULT_RECOVER_RECONSTRUCTED` when the reconstruction stage was kept, times ``scale``:
+    :func:`size_scale`)."""
     default = DEFAULT_RECOVER_RECONSTRUCTED if reconstructed else DEFAULT_RECOVER
-    return _steps(value, default, "--recover", "no recovery")
+    return _steps(value, round(default * scale), "--recover", "no recovery")
 
 
 DEFAULT_RECONSTRUCT = 300
 """Default reconstruction steps per pruned layer (:mod:`.reconstruct`; at most: the best check is kept)."""
 
 
-def reconstruct_steps(value: int | str | None) -> int:
-    """``--reconstruct`` as a number of steps per layer (None: :data:`DEFAULT_RECONSTRUCT`)."""
-    return _steps(value, DEFAULT_RECONSTRUCT, "--reconstruct", "no reconstruction")
+def reconstruct_steps(value: int | str | None, *, scale: float = 1.0, layers: int = REFERENCE_LAYERS) -> int:
+    """``--reconstruct`` as a number of steps per layer (None: :data:`DEFAULT_RECONSTRUCT` for a model of
+    :data:`REFERENCE_LAYERS` layers, the same steps in all shared among ``layers`` and times ``scale``
+    (:func:`size_scale`); 0 below :data:`MIN_RECONSTRUCT` a layer)."""
+    per_layer = DEFAULT_RECONSTRUCT * scale * REFERENCE_LAYERS / max(layers, 1)
+    default = round(per_layer) if per_layer >= MIN_RECONSTRUCT else 0
+    return _steps(value, default, "--reconstruct", "no reconstruction")
 
 
 def check_out(out: Path) -> None:

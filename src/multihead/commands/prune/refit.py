@@ -75,12 +75,16 @@ class LeastSquares:
         self.rows = 0
 
     def add(self, x: Tensor, y: Tensor) -> None:
-        x1 = torch.cat([x.double(), torch.ones(len(x), 1, dtype=torch.float64)], 1)  # (n, I + 1)
-        y = y.double()
-        self.gram += x1.T @ x1
-        self.cross += x1.T @ y
-        self.y_sum += y.sum(0)
-        self.y_squares += float((y * y).sum())
+        """Add rows ``x`` (n, I), ``y`` (n, O): their products in the inputs' precision (float32 at least),
+        added to float64 sums (one call's n rows are few; the sums over every call are what needs the
+        precision)."""
+        dt = torch.promote_types(torch.promote_types(x.dtype, y.dtype), torch.float32)
+        x1 = torch.cat([x.to(dt), torch.ones(len(x), 1, dtype=dt)], 1)  # (n, I + 1)
+        y = y.to(dt)
+        self.gram += (x1.T @ x1).double()
+        self.cross += (x1.T @ y).double()
+        self.y_sum += y.sum(0, dtype=torch.float64)
+        self.y_squares += float(y.double().pow(2).sum())
         self.rows += len(x)
 
     def solution(self, columns: Tensor, ridge: float = RIDGE, *, bias: bool = True) -> Tensor:
@@ -485,7 +489,9 @@ def output_folds(
             x, y = args[0].detach(), output.detach()
             real = _real(x, current["mask"])  # (B, L)
             fold = (current["first"] + torch.arange(len(real))) % folds  # (B,) each text's fold
-            parts = fits.setdefault(name, [LeastSquares(x.shape[-1], y.shape[-1]) for _ in range(folds)])
+            if name not in fits:
+                fits[name] = [LeastSquares(x.shape[-1], y.shape[-1]) for _ in range(folds)]
+            parts = fits[name]
             for f, part in enumerate(parts):
                 rows = real & (fold == f)[:, None]  # (B, L)
                 if rows.any():

@@ -214,7 +214,14 @@ def markdown(report: dict[str, Any]) -> str:
         "on which of your texts were held out. Other text, even from the same source, can differ by more. "
         f"Recovery: {rec['steps_run']} steps run (at most {rec['steps']} per learning rate tried: "
         f"{', '.join(f'{lr:g}' for lr in rec.get('lrs_tried', [])) or 'none'}), the weights of step "
-        f"{rec['kept_step']} of the last try kept (0 = none helped). Speed: forward passes of the two models in "
+        f"{rec['kept_step']} of the last try kept (0 = none helped)."
+        + (
+            f" Default training steps scaled by {report['default_steps_scale']:.2f} for the model's size "
+            f"(reconstruction: {report['reconstruct_steps']} steps a layer{', none' if not report['reconstruct_steps'] else ''})."
+            if report.get("default_steps_scale", 1.0) < 1.0
+            else ""
+        )
+        + f" Speed: forward passes of the two models in "
         f"{s['rounds']} interleaved rounds on the same batch; median and interquartile range of the per-round "
         f"ratios. Machine: {report['machine']}. "
         f"Took {report['seconds']:.0f} s.",

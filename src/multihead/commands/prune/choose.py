@@ -161,32 +161,26 @@ def removal_order(
     bias: Mapping[str, bool] | None = None,
     groups: Mapping[str, int] | None = None,
 ) -> list[Unit]:
-    """The units of heads to remove, at most ``n`` heads in all, ``[(module, heads), ...]`` in the order the
-    greedy choice takes them (so its first ``k`` units are the ones it would take for their heads: the
-    choices are nested).
+    """Units of heads to remove, at most ``n`` heads, ``[(module, heads), ...]`` in the greedy choice's order
+    (nested: its first ``k`` units are what it takes for that many heads).
 
-    ``fits[name]`` holds the normal equations of module ``name``'s output projection (input columns
-    ``[h * Dv, (h + 1) * Dv)`` are head ``h``'s, ``Dv = I / heads[name]``): a :class:`LeastSquares` (the
-    residual in sample) or a :class:`CrossValidated` (out of sample); ``bias[name]``: whether its
-    refit has an intercept (default True); ``groups[name]``: the heads of a unit (default 1: each head
-    alone; under grouped-query attention the query heads sharing a key/value head, so that the key/value
-    head goes with them and the groups stay even). Each step removes the unit whose removal raises its
-    module's residual (:meth:`LeastSquares.residual`) divided by the module's :meth:`LeastSquares.spread`
-    the least, among those that fit in the heads left to remove; a module keeps at least one unit. Ties go
-    to the earlier module and the lower head. ``ValueError`` if ``n`` heads cannot go.
-    """
+    ``fits[name]``: the normal equations of module ``name``'s output projection (columns ``[h Dv, (h + 1)
+    Dv)`` are head ``h``'s), a :class:`LeastSquares` (in sample) or :class:`CrossValidated` (out of sample);
+    ``bias[name]``: whether its refit has an intercept (default True); ``groups[name]``: a unit's heads
+    (default 1; under GQA the query heads sharing a key/value head, which goes with them). Each step removes
+    the unit, among those that fit in the heads left, whose removal raises its module's residual divided by
+    its :meth:`LeastSquares.spread` the least; a module keeps one unit. Ties: the earlier module, the lower
+    head. ``ValueError`` if ``n`` heads cannot go."""
     size = {name: 1 if groups is None else groups.get(name, 1) for name in heads}
     kept = {
         name: [tuple(range(u, u + size[name])) for u in range(0, h, size[name])] for name, h in heads.items()
     }
-    width = {name: fits[name].inputs for name in heads}
     scale = {name: max(fits[name].spread(), 1e-30) for name in heads}
-    with_bias = {name: True if bias is None else bias[name] for name in heads}
 
     def residual(name: str, keep: list[tuple[int, ...]]) -> float:
-        dv = width[name] // heads[name]
+        dv = fits[name].inputs // heads[name]
         cols = torch.cat([torch.arange(h * dv, (h + 1) * dv) for u in keep for h in u])  # (kept * Dv,)
-        return fits[name].residual(cols, bias=with_bias[name]) / scale[name]
+        return fits[name].residual(cols, bias=True if bias is None else bias[name]) / scale[name]
 
     now = {name: residual(name, kept[name]) for name in heads}
     best: dict[

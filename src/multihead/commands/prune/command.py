@@ -328,6 +328,17 @@ def _recover(job: Job, opts: Options, model: nn.Module, stages: Stages) -> Recov
     return rec
 
 
+def _recovery_record(job: Job, rec: Recovery) -> dict[str, Any]:
+    return {
+        "steps": job.steps,
+        "steps_run": len(rec.losses),
+        "kept_step": rec.kept_step,
+        "lrs_tried": rec.lrs,
+        "checks": rec.checks,
+        "loss_first_last": [rec.losses[0], rec.losses[-1]] if rec.losses else None,
+    }
+
+
 def _report(
     job: Job,
     opts: Options,
@@ -365,14 +376,7 @@ def _report(
         "reconstruction": errors,  # layer -> validation error [before, after] (relative mean square)
         "default_steps_scale": job.scale,
         "reconstruct_steps": job.reconstruct,
-        "recovery": {
-            "steps": job.steps,
-            "steps_run": len(rec.losses),
-            "kept_step": rec.kept_step,
-            "lrs_tried": rec.lrs,
-            "checks": rec.checks,
-            "loss_first_last": [rec.losses[0], rec.losses[-1]] if rec.losses else None,
-        },  # fmt: skip
+        "recovery": _recovery_record(job, rec),
         "quality": {
             "metric": job.objective.metric,
             "direction": job.objective.direction,

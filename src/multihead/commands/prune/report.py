@@ -129,9 +129,21 @@ def _stage_rows(q: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
-def _reconstruction_rows(errors: dict[str, list[float]]) -> list[list[str]]:
+def _reconstruction_section(errors: dict[str, list[float]] | None) -> list[str]:
+    """The report's reconstruction section (none without the stage)."""
+    if not errors:
+        return []
     rows = [["layer", "validation error before", "after"]]
-    return rows + [[name, f"{before:.4f}", f"{after:.4f}"] for name, (before, after) in errors.items()]
+    rows += [[name, f"{before:.4f}", f"{after:.4f}"] for name, (before, after) in errors.items()]
+    return [
+        "## Reconstruction",
+        "",
+        markdown_table(rows),
+        "",
+        "Each pruned layer's output error on the validation texts (mean squared error over real tokens, "
+        "divided by the original output's mean square) before and after its training.",
+        "",
+    ]
 
 
 def _asked(report: dict[str, Any]) -> str:
@@ -226,19 +238,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"ratios. Machine: {report['machine']}. "
         f"Took {report['seconds']:.0f} s.",
         "",
-        *(
-            [
-                "## Reconstruction",
-                "",
-                markdown_table(_reconstruction_rows(report["reconstruction"])),
-                "",
-                "Each pruned layer's output error on the validation texts (mean squared error over real tokens, "
-                "divided by the original output's mean square) before and after its training.",
-                "",
-            ]
-            if report.get("reconstruction")
-            else []
-        ),
+        *_reconstruction_section(report.get("reconstruction")),
         "## Heads removed (original indices)",
         "",
         markdown_table(

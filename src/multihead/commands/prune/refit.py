@@ -332,16 +332,29 @@ def _fit_step(step: _Step, seen: Sequence[list[Tensor]], progress: Callable[[], 
 
 def _capture_in(chain: Chain, b: int, modules: Sequence[nn.Module], batch: Batch) -> list[Tensor]:
     """The real tokens' rows of each of ``modules``' first input when ``chain``'s current layer runs batch
-    ``b`` (modules inside that layer)."""
-    seen: list[list[Tensor]] = [[] for _ in modules]
-    current = {"mask": batch.inputs["attention_mask"]}
-    handles = [m.register_forward_pre_hook(_recorder(seen[i], current)) for i, m in enumerate(modules)]
+    ``b`` (modules inside that layer, in the order they run: the run stops at the last)."""
+    seen, handles = _recording(modules, batch)
     try:
         chain.run(b)
+    except _Stop:
+        pass
     finally:
         for h in handles:
             h.remove()
     return [s[0] for s in seen]
+
+
+def _recording(modules: Sequence[nn.Module], batch: Batch) -> tuple[list[list[Tensor]], list[Any]]:
+    """Hooks that record the real tokens' rows of each of ``modules``' first input on ``batch`` and stop the
+    pass (:class:`_Stop`) at the last of them: ``(what each saw, the hooks' handles)``."""
+    seen: list[list[Tensor]] = [[] for _ in modules]
+    current = {"mask": batch.inputs["attention_mask"]}
+    handles = [m.register_forward_pre_hook(_recorder(seen[i], current)) for i, m in enumerate(modules)]
+
+    def stop(*_: object) -> None:
+        raise _Stop
+
+    return seen, [*handles, modules[-1].register_forward_pre_hook(stop)]
 
 
 def _output_steps(
@@ -537,13 +550,6 @@ def _capture_inputs(
 ) -> list[Tensor]:
     """The real tokens' rows of each of ``layers``' first input when ``model`` runs ``batch``; the pass
     stops at the last of them (``layers`` in the order they run)."""
-    seen: list[list[Tensor]] = [[] for _ in layers]
-    current = {"mask": batch.inputs["attention_mask"]}
-    handles = [layer.register_forward_pre_hook(_recorder(seen[i], current)) for i, layer in enumerate(layers)]
-
-    def stop(*_: object) -> None:
-        raise _Stop
-
-    handles.append(layers[-1].register_forward_pre_hook(stop))
+    seen, handles = _recording(layers, batch)
     run_stopped(model, objective, batch, handles)
     return [s[0] for s in seen]

@@ -9,6 +9,8 @@ drawn from them; for each, the command's bootstrap interval (:meth:`~multihead.c
 subsets' own qualities, and where the two fixed sets (the command's split, the external sentences) sit in it::
 
     flock /tmp/bench.lock python benchmarks/bench_prune_interval.py   # benchmarks/results/prune_interval.{json,md}
+    flock /tmp/bench.lock python benchmarks/bench_prune_interval.py --quality 0.99 [--corpus licences ...]
+    # --quality Q instead of --heads 0.5: benchmarks/results/prune_interval_qQ.{json,md}
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ RESULTS = HERE / "results"
 SUBSETS = 100
 
 
-def run_one(corpus: str, frac: str = "0.5") -> dict:
-    """Prune on ``corpus`` (refit stage only); the interval's coverage over random subsets of unseen texts."""
+def run_one(corpus: str, frac: str = "0.5", quality: str | None = None) -> dict:
+    """Prune on ``corpus`` (refit stage only) at ``--heads frac``, or ``--quality quality`` when given; the
+    interval's coverage over random subsets of unseen texts."""
     calibration, external = corpora.split(corpora.CORPORA[corpus]())
     held = prune.split_texts(calibration).held_out
     unseen = held + external
@@ -47,8 +50,9 @@ def run_one(corpus: str, frac: str = "0.5") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         data, out = Path(tmp) / "lines.txt", Path(tmp) / "pruned"
         data.write_text("\n".join(calibration) + "\n", encoding="utf-8")
-        opts = prune.Options(minilm_dir(), data, frac, out, recover=0, reconstruct=0, progress=False)
-        prune.run(opts, echo=lambda _: None)
+        opts = prune.Options(minilm_dir(), data, None if quality else frac, out, quality=quality, recover=0,
+                             reconstruct=0, progress=False)  # fmt: skip
+        report = prune.run(opts, echo=lambda _: None)
         emb = objective.scores(_load(out), batches)  # (N, E), make_batches keeps the order within each batch
     ref = objective.scores(_load(minilm_dir()), batches)
     order = torch.tensor([i for b in _rows(batches, unseen, tok) for i in b])  # batch order -> text index
@@ -66,7 +70,8 @@ def run_one(corpus: str, frac: str = "0.5") -> dict:
     fixed = {"held": torch.arange(m), "external": torch.arange(m, len(unseen))}  # unseen = held + external
     return {
         "corpus": corpus,
-        "heads": frac,
+        "heads": f"--quality {quality}" if quality else frac,
+        "pruned": report["pruned_count"],
         "unseen": len(unseen),
         "subset": m,
         "whole": whole,
@@ -95,14 +100,19 @@ def _rows(batches: list, texts: list[str], tok) -> list[list[int]]:
     return out
 
 
+def _asked(res: dict) -> str:
+    r = res["records"][0]
+    return r["heads"] if r["heads"].startswith("--") else f"--heads {r['heads']}"
+
+
 def markdown(res: dict) -> str:
-    rows = [["corpus", "unseen texts", "subset size", "quality, all unseen", "interval held it",
+    rows = [["corpus", "heads removed", "unseen texts", "subset size", "quality, all unseen", "interval held it",
              "mean interval width", "subsets' 5th-95th percentile", "command's split (percentile)",
              "external sentences (percentile)"]]  # fmt: skip
     for r in res["records"]:
         f, p = r["fixed"], r["fixed_percentile"]
         rows.append([
-            r["corpus"], str(r["unseen"]), str(r["subset"]), f"{r['whole']:.4f}", f"{r['covered']}/{SUBSETS}",
+            r["corpus"], str(r.get("pruned", "-")), str(r["unseen"]), str(r["subset"]), f"{r['whole']:.4f}", f"{r['covered']}/{SUBSETS}",
             f"{r['width_mean']:.4f}", f"{r['subset_q05']:.4f}-{r['subset_q95']:.4f}",
             f"{f['held']:.4f} ({p['held']:.0%})", f"{f['external']:.4f} ({p['external']:.0%})",
         ])  # fmt: skip
@@ -111,7 +121,7 @@ def markdown(res: dict) -> str:
         "",
         f"{res['date']}; {res['machine']}; torch {res['torch']}. Made by `benchmarks/bench_prune_interval.py`.",
         "",
-        "all-MiniLM-L6-v2 pruned by the command at `--heads 0.5`, refit stage only (`--recover 0 --reconstruct "
+        f"all-MiniLM-L6-v2 pruned by the command at `{_asked(res)}`, refit stage only (`--recover 0 --reconstruct "
         "0`). *Unseen texts*: the command's held-out split and the bench's external sentences, which nothing "
         f"was fit on. {SUBSETS} random subsets of the command's held-out size: how often each subset's 90% "
         "bootstrap interval held the quality over all unseen texts, the interval's mean width against the "
@@ -124,7 +134,9 @@ def markdown(res: dict) -> str:
 
 
 def main() -> None:
-    records = [run_one(c) for c in REAL]
+    quality = sys.argv[sys.argv.index("--quality") + 1] if "--quality" in sys.argv else None
+    corpus = sys.argv[sys.argv.index("--corpus") + 1 :] if "--corpus" in sys.argv else list(REAL)
+    records = [run_one(c, quality=quality) for c in corpus]
     res = {
         "records": records,
         "machine": machine().words(),
@@ -132,8 +144,9 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "prune_interval.json").write_text(json.dumps(res, indent=2) + "\n")
-    (RESULTS / "prune_interval.md").write_text(markdown(res))
+    name = f"prune_interval_q{quality}" if quality else "prune_interval"
+    (RESULTS / f"{name}.json").write_text(json.dumps(res, indent=2) + "\n")
+    (RESULTS / f"{name}.md").write_text(markdown(res))
     print(markdown(res))
 
 

@@ -7,6 +7,9 @@ development environment of this project has:
   ``base-files``; GPL, LGPL, Apache, MPL, GFDL, Artistic, BSD, CC0), files in name order, each text once;
 * ``package-docs``: the long descriptions (``METADATA`` bodies: README files in markdown or reStructuredText)
   of the packages ``requirements-dev.txt`` pins, read with :mod:`importlib.metadata`, in the file's order;
+* ``stdlib-docs``: the docstrings of the Python standard library's top-level modules (``*.py`` directly under
+  ``sysconfig.get_paths()["stdlib"]``, in name order: each module's docstring, then those of its top-level
+  functions and classes, read with :mod:`ast`), the first :data:`STDLIB_SENTENCES` sentences;
 * ``generated``: ``benchmarks/data/sentences.txt``, the project's own generated sentences (the third column);
 * ``all-package-docs`` (:data:`LARGER`, for ``benchmarks/bench_prune_curve.py`` only): the long descriptions of
   every distribution installed in the environment (the pinned ones and all they pull in), in name order.
@@ -23,8 +26,10 @@ capital, and keep a sentence when it has 6 to 50 words, starts with a capital, e
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
 import re
+import sysconfig
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -138,9 +143,30 @@ def installed_package_texts() -> list[str]:
     return out
 
 
+STDLIB_SENTENCES = 688
+"""Sentences of ``stdlib-docs`` kept: 516 for the command (calibration), 172 held out from it by :func:`split`."""
+
+
+def stdlib_texts() -> list[str]:
+    """The docstrings of the standard library's top-level modules, their functions and classes, in order."""
+    out = []
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+        for node in [tree, *tree.body]:
+            if isinstance(node, ast.Module | ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                doc = ast.get_docstring(node)
+                if doc:
+                    out.append(doc)
+    return out
+
+
 CORPORA: dict[str, Callable[[], list[str]]] = {
     "licences": lambda: sentences(licence_texts()),
     "package-docs": lambda: sentences(package_texts()),
+    "stdlib-docs": lambda: sentences(stdlib_texts())[:STDLIB_SENTENCES],
     "generated": lambda: [t.strip() for t in GENERATED.read_text().splitlines() if t.strip()],
 }
 """Corpus name -> its lines (one sentence each)."""

@@ -37,6 +37,7 @@ PRUNE_EXAMPLES = """\
 examples:
   multihead prune my-model/ --data lines.txt --heads 0.25 --out my-model-pruned/
   multihead prune my-model/ --data lines.txt --heads 18 --recover 0 --out quick/
+  multihead prune my-model/ --data lines.txt --quality 0.99 --out my-model-99/
 
 Writes the pruned weights (safetensors), config, tokenizer and prune_report.{json,md} under --out;
 multihead.integrations.transformers.from_pretrained(AutoModel, OUT_DIR) loads it."""
@@ -182,21 +183,28 @@ def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser
     prune.add_argument("--data", required=True, metavar="LINES.txt", help="your text, one text per line")
     prune.add_argument(
         "--heads",
-        required=True,
         metavar="FRACTION|COUNT",
-        help="0.25 prunes a quarter of the heads, 18 prunes 18",
+        help="0.25 prunes a quarter of the heads, 18 prunes 18 (or give --quality)",
+    )
+    prune.add_argument(
+        "--quality",
+        metavar="Q",
+        help="prune the most heads that keep this share of the original's quality on the validation texts, "
+        "e.g. 0.99 (a perplexity ratio of at most 1/Q for language models); instead of --heads",
     )
     prune.add_argument(
         "--recover",
         metavar="STEPS",
-        help="distillation steps after pruning (default 240, or 120 when the reconstruction was kept; "
-        "0.1-0.4 s a step for MiniLM on a quiet 2-core CPU; 0: none)",
+        help="distillation steps after pruning (default 240, or 120 when the reconstruction was kept, "
+        "scaled down for models larger than MiniLM's 23M parameters; 0.1-0.4 s a step for MiniLM on a quiet "
+        "2-core CPU; 0: none)",
     )
     prune.add_argument(
         "--reconstruct",
         metavar="STEPS",
         help="training steps per pruned layer to give the original layer's output (default 300, about "
-        "8 s a layer for MiniLM on a quiet 2-core CPU; 0: none)",
+        "8 s a layer for MiniLM on a quiet 2-core CPU, scaled down for larger models, none below 25 a layer; "
+        "0: none)",
     )
     prune.add_argument(
         "--out", required=True, metavar="OUT_DIR", help="a new folder for the pruned checkpoint"

@@ -13,7 +13,9 @@ Dimensions: B batch, L tokens, E hidden width, V vocabulary, N texts, P = N (N -
    the heads the refit can best make up for: greedily, across layers, the head whose removal leaves the
    least of its layer's output (relative to that output's spread) outside what a least-squares map of
    the kept heads reproduces on texts the map was not fit on (:data:`FOLDS`-fold cross-validation,
-   :class:`CrossValidated`; :func:`choose_compensable`, :mod:`.choose`; no layer is ever emptied);
+   :class:`CrossValidated`; :func:`choose_compensable`, :mod:`.choose`; no layer is ever emptied); with
+   ``--quality Q`` instead of ``--heads``: as many of them, in that order, as keep the share ``Q`` of the
+   original's validation quality after the refit (a binary search, :mod:`.floor`);
 3. refit, layer by layer (each on the inputs the refits before it give), each pruned layer's output
    projection by least squares so that the kept heads reproduce the original layer's output, then
    (BERT-family encoders) that layer's feed-forward output projection, ridge-pulled toward its own weights,
@@ -40,8 +42,13 @@ from .choose import (
     choose_and_prune,
     choose_compensable,
     compensable_heads,
+    compensable_order,
+    gqa_groups,
+    grouped,
+    removal_order,
 )
 from .command import STAGES, Job, Stages, options_from, prepare, run
+from .floor import Floor, search
 from .inputs import (
     DEFAULT_RECONSTRUCT,
     DEFAULT_RECOVER,
@@ -53,13 +60,17 @@ from .inputs import (
     Options,
     PruneError,
     Splits,
+    check_amount,
     encode,
     heads_to_prune,
+    most_heads,
     parse_heads,
+    parse_quality,
     read_texts,
     reconstruct_steps,
     recover_steps,
     recovery_lrs,
+    size_scale,
     split_texts,
 )
 from .objectives import (
@@ -103,6 +114,7 @@ __all__ = [
     "CrossValidated",
     "CausalLM",
     "Embedding",
+    "Floor",
     "Job",
     "LeastSquares",
     "MaskedLM",
@@ -116,18 +128,23 @@ __all__ = [
     "Seq2Seq",
     "Splits",
     "Stages",
+    "check_amount",
     "check_prunable",
     "choose_and_prune",
     "choose_compensable",
     "compensable_heads",
+    "compensable_order",
     "contrastive_loss",
     "crops",
     "embed",
     "encode",
     "feed_forward_sums",
+    "gqa_groups",
+    "grouped",
     "heads_to_prune",
     "layer_of",
     "make_batches",
+    "most_heads",
     "markdown",
     "options_from",
     "output_fits",
@@ -135,6 +152,7 @@ __all__ = [
     "output_projection",
     "pair_similarities",
     "parse_heads",
+    "parse_quality",
     "prepare",
     "read_texts",
     "reconstruct_layers",
@@ -145,7 +163,10 @@ __all__ = [
     "refit",
     "refit_feed_forward",
     "refit_layers",
+    "removal_order",
     "run",
+    "search",
+    "size_scale",
     "spearman",
     "split_texts",
 ]

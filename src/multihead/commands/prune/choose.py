@@ -26,7 +26,7 @@ each (kept for comparison and for callers that want the loss-driven choice).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -44,6 +44,10 @@ __all__ = [
     "choose_and_prune",
     "choose_compensable",
     "compensable_heads",
+    "compensable_order",
+    "gqa_groups",
+    "grouped",
+    "removal_order",
     "spread_subset",
 ]
 
@@ -140,58 +144,95 @@ def compensable_heads(
     n: int,
     *,
     bias: Mapping[str, bool] | None = None,
+    groups: Mapping[str, int] | None = None,
 ) -> dict[str, list[int]]:
-    """The ``n`` heads to remove, ``{module: sorted head indices}``, chosen greedily by refit residual.
+    """The heads to remove, ``{module: sorted head indices}``: those of :func:`removal_order`."""
+    return grouped(removal_order(fits, heads, n, bias=bias, groups=groups), heads)
 
-    ``fits[name]`` holds the normal equations of module ``name``'s output projection (input columns
-    ``[h * Dv, (h + 1) * Dv)`` are head ``h``'s, ``Dv = I / heads[name]``): a :class:`LeastSquares` (the
-    residual in sample) or a :class:`CrossValidated` (out of sample); ``bias[name]``: whether its
-    refit has an intercept (default True). Each step removes the head whose removal raises its module's
-    residual (:meth:`LeastSquares.residual`) divided by the module's :meth:`LeastSquares.spread` the least;
-    a module keeps at least one head. Ties go to the earlier module and the lower head.
-    """
-    kept = {name: list(range(h)) for name, h in heads.items()}
-    width = {name: fits[name].inputs for name in heads}
+
+Unit = tuple[str, tuple[int, ...]]  # (module, the heads that go together)
+
+
+def removal_order(
+    fits: Mapping[str, LeastSquares | CrossValidated],
+    heads: Mapping[str, int],
+    n: int,
+    *,
+    bias: Mapping[str, bool] | None = None,
+    groups: Mapping[str, int] | None = None,
+) -> list[Unit]:
+    """Units of heads to remove, at most ``n`` heads, ``[(module, heads), ...]`` in the greedy choice's order
+    (nested: its first ``k`` units are what it takes for that many heads).
+
+    ``fits[name]``: the normal equations of module ``name``'s output projection (columns ``[h Dv, (h + 1)
+    Dv)`` are head ``h``'s), a :class:`LeastSquares` (in sample) or :class:`CrossValidated` (out of sample);
+    ``bias[name]``: whether its refit has an intercept (default True); ``groups[name]``: a unit's heads
+    (default 1; under GQA the query heads sharing a key/value head, which goes with them). Each step removes
+    the unit, among those that fit in the heads left, whose removal raises its module's residual divided by
+    its :meth:`LeastSquares.spread` the least; a module keeps one unit. Ties: the earlier module, the lower
+    head. ``ValueError`` if ``n`` heads cannot go."""
+    size = {name: 1 if groups is None else groups.get(name, 1) for name in heads}
+    kept = {
+        name: [tuple(range(u, u + size[name])) for u in range(0, h, size[name])] for name, h in heads.items()
+    }
     scale = {name: max(fits[name].spread(), 1e-30) for name in heads}
-    with_bias = {name: True if bias is None else bias[name] for name in heads}
 
-    def residual(name: str, keep: list[int]) -> float:
-        dv = width[name] // heads[name]
-        cols = torch.cat([torch.arange(h * dv, (h + 1) * dv) for h in keep])  # (len(keep) * Dv,)
-        return fits[name].residual(cols, bias=with_bias[name]) / scale[name]
+    def residual(name: str, keep: list[tuple[int, ...]]) -> float:
+        dv = fits[name].inputs // heads[name]
+        cols = torch.cat([torch.arange(h * dv, (h + 1) * dv) for u in keep for h in u])  # (kept * Dv,)
+        return fits[name].residual(cols, bias=True if bias is None else bias[name]) / scale[name]
 
     now = {name: residual(name, kept[name]) for name in heads}
-    best: dict[str, tuple[float, int]] = {}  # module -> (rise of its residual, head) of its cheapest head
+    best: dict[
+        str, tuple[float, tuple[int, ...]]
+    ] = {}  # module -> (rise of its residual, unit): its cheapest
 
     def cheapest(name: str) -> None:
         if len(kept[name]) == 1:
-            best[name] = (math.inf, -1)
+            best[name] = (math.inf, ())
             return
         best[name] = min(
-            (residual(name, [k for k in kept[name] if k != h]) - now[name], h) for h in kept[name]
+            (residual(name, [k for k in kept[name] if k != u]) - now[name], u) for u in kept[name]
         )
 
     for name in heads:
         cheapest(name)
-    removed: dict[str, list[int]] = {name: [] for name in heads}
-    for _ in range(n):
-        name = min(best, key=lambda k: best[k][0])
-        rise, h = best[name]
-        if h < 0:
+    order: list[Unit] = []
+    left = n
+    while left > 0:
+        fitting = [k for k in best if size[k] <= left and best[k][1]]
+        if not fitting:
+            if any(best[k][1] for k in best):
+                break  # the units left are larger than the heads left to remove
             raise ValueError(f"cannot remove {n} heads: every module is down to one head")
-        kept[name].remove(h)
-        removed[name].append(h)
+        name = min(fitting, key=lambda k: best[k][0])
+        rise, unit = best[name]
+        kept[name].remove(unit)
+        order.append((name, unit))
         now[name] += rise
+        left -= len(unit)
         cheapest(name)
-    return {name: sorted(hs) for name, hs in removed.items() if hs}
+    return order
 
 
 def choose_compensable(
     model: nn.Module, batches: Sequence[Batch], objective: Objective, n: int, *, folds: int = FOLDS
 ) -> tuple[nn.Module, dict[str, list[int]]]:
-    """Prune the ``n`` heads the refit can best make up for on unseen texts (:func:`compensable_heads` on
-    each output projection's :class:`CrossValidated` map over the real tokens of ``batches``, ``folds``
-    folds; 1: in sample). Returns the pruned copy and the removed heads per module."""
+    """Prune the ``n`` heads the refit can best make up for on unseen texts (:func:`compensable_order`).
+    Returns the pruned copy and the removed heads per module."""
+    removed = grouped(
+        compensable_order(model, batches, objective, n, folds=folds), heads_tools.head_counts(model)
+    )
+    return heads_tools.prune(model, removed), removed
+
+
+def compensable_order(
+    model: nn.Module, batches: Sequence[Batch], objective: Objective, n: int, *, folds: int = FOLDS
+) -> list[Unit]:
+    """At most ``n`` heads the refit can best make up for on unseen texts, in the order they go
+    (:func:`removal_order` on each output projection's :class:`CrossValidated` map over the real tokens of
+    ``batches``, ``folds`` folds; 1: in sample); under grouped-query attention the query heads that share a
+    key/value head go together (:func:`gqa_groups`)."""
     fits = {
         name: CrossValidated(parts) for name, parts in output_folds(model, batches, objective, folds).items()
     }
@@ -199,8 +240,25 @@ def choose_compensable(
     bias = {name: output_projection(model, name, m).has_bias for name, m in modules.items()}
     counts = heads_tools.head_counts(model)
     heads = {name: h for name, h in counts.items() if name in fits}  # the modules that ran
-    removed = compensable_heads(fits, heads, n, bias=bias)
-    return heads_tools.prune(model, removed), removed
+    return removal_order(fits, heads, n, bias=bias, groups=gqa_groups(model))
+
+
+def gqa_groups(model: nn.Module) -> dict[str, int]:
+    """``{module: query heads per key/value head}`` of each attention module with fewer key/value heads
+    than query heads: removed together, such a group takes its key/value head with it (the KV cache
+    shrinks), and the groups stay even (an uneven layer would repeat key/value heads to even them,
+    :func:`multihead.heads.prune`, and its KV cache would grow)."""
+    counts = {name: module_heads(m) for name, m in attention_modules(model).items()}
+    return {name: h // hkv for name, (h, hkv) in counts.items() if hkv < h}
+
+
+def grouped(order: Sequence[Unit], modules: Iterable[str]) -> dict[str, list[int]]:
+    """``[(module, heads), ...]`` -> ``{module: sorted heads}``, in the order of ``modules`` (every module
+    of ``order`` among them)."""
+    removed: dict[str, list[int]] = {}
+    for name, unit in order:
+        removed.setdefault(name, []).extend(unit)
+    return {name: sorted(removed[name]) for name in modules if name in removed}
 
 
 def _counted(batches: Sequence[Batch], progress: Callable[[], None] | None) -> Iterator[Batch]:

@@ -16,21 +16,33 @@ from ...bench.pair import machine
 from ...progress import Progress
 from .. import model_dir
 from ..training import count_params
-from .choose import check_prunable, choose_compensable, spread_subset
+from .choose import (
+    check_prunable,
+    choose_and_prune,
+    choose_compensable,
+    compensable_order,
+    gqa_groups,
+    spread_subset,
+)
+from .floor import Floor, search
 from .inputs import (
     DEFAULT_RECONSTRUCT,
     FEW_TEXTS,
     Options,
     PruneError,
     Splits,
+    check_amount,
     check_out,
     encode,
     heads_to_prune,
+    most_heads,
     parse_heads,
+    parse_quality,
     read_texts,
     reconstruct_steps,
     recover_steps,
     recovery_lrs,
+    size_scale,
     split_texts,
 )
 from .objectives import OBJECTIVES, Batch, Objective, crops, make_batches
@@ -64,12 +76,19 @@ class Job:
     steps: int
     reconstruct: int = DEFAULT_RECONSTRUCT  # steps per pruned layer (0: no reconstruction stage)
     batches: dict[str, list[Batch]] = field(default_factory=dict)
+    floor: float | None = None  # --quality: the share of the validation quality to keep (n found by search)
+    scale: float = 1.0  # of the default training steps, by the model's size (inputs.size_scale)
 
     def describe(self) -> str:
         s, total = self.splits, sum(self.counts.values())
+        amount = (
+            f"{self.n} heads"
+            if self.floor is None
+            else f"the most heads that keep {self.floor:g} of the quality"
+        )
         return (
             f"{self.loaded.path}: {self.loaded.kind} ({type(self.loaded.model).__name__}), {total} heads in "
-            f"{len(self.counts)} layers; objective: {self.objective.name}; pruning {self.n} heads; "
+            f"{len(self.counts)} layers; objective: {self.objective.name}; pruning {amount}; "
             f"{len(s.train) + len(s.validation) + len(s.held_out)} texts: {len(s.train)} to choose heads, refit, "
             f"reconstruct and recover on, {len(s.validation)} to validate, {len(s.held_out)} held out"
         )
@@ -87,9 +106,13 @@ class Job:
 
 def prepare(opts: Options) -> Job:
     """Check every input (:class:`PruneError` on the first bad one, nothing written) and load the checkpoint."""
-    value = parse_heads(opts.heads)
-    steps = recover_steps(opts.recover)
-    reconstruct = reconstruct_steps(opts.reconstruct)
+    check_amount(opts.heads, opts.quality)
+    if opts.importance_rounds and opts.quality is not None:
+        raise PruneError("the gradient-importance peer prunes a given --heads only, not --quality")
+    value = None if opts.heads is None else parse_heads(opts.heads)
+    floor = None if opts.quality is None else parse_quality(opts.quality)
+    recover_steps(opts.recover)  # checked now; the defaults depend on the model's size (below)
+    reconstruct_steps(opts.reconstruct)
     check_out(Path(opts.out))
     splits = split_texts(read_texts(opts.data), opts.held_out, opts.validation)
     try:
@@ -98,10 +121,24 @@ def prepare(opts: Options) -> Job:
         raise PruneError(str(e)) from e
     loaded.model.eval()
     counts = check_prunable(loaded.model)
-    n = heads_to_prune(value, counts)
+    scale = size_scale(count_params(loaded.model))
+    steps = recover_steps(opts.recover, scale=scale)
+    reconstruct = reconstruct_steps(opts.reconstruct, scale=scale, layers=len(counts))
+    n = 0 if value is None else heads_to_prune(value, counts, gqa_groups(loaded.model))  # --quality: searched
     texts = {"train": splits.train, "validation": splits.validation, "held_out": splits.held_out}
     ids = {k: encode(loaded.tokenizer, v, loaded.max_length, opts.truncate) for k, v in texts.items()}
-    return Job(loaded, OBJECTIVES[loaded.kind](), counts, n, splits, ids, steps, reconstruct)
+    return Job(
+        loaded,
+        OBJECTIVES[loaded.kind](),
+        counts,
+        n,
+        splits,
+        ids,
+        steps,
+        reconstruct,
+        floor=floor,
+        scale=scale,
+    )
 
 
 def _batch(job: Job, opts: Options) -> None:
@@ -134,8 +171,15 @@ class Stages:
 
     def validate(self, model: nn.Module) -> float:
         """Validation quality as a number where higher is better (what chooses between stages)."""
+        return self.objective.goodness(self._validation(model))
+
+    def relative(self, model: nn.Module) -> float:
+        """Validation quality as the share of the original's kept (what ``--quality`` compares with)."""
+        return self.objective.relative(self._validation(model))
+
+    def _validation(self, model: nn.Module) -> float:
         batches, ref = self.sets["validation"]
-        return self.objective.goodness(self.objective.quality(model, ref, batches))
+        return self.objective.quality(model, ref, batches)
 
     def measure(self, stage: str, model: nn.Module, *, kept: bool | None = None, note: str = "") -> None:
         """Measure ``model`` as stage ``stage``; ``kept=None``: kept if it improves the validation quality
@@ -172,23 +216,65 @@ class Stages:
         return max(i for i, r in enumerate(self.rows) if r["kept"])
 
 
-def _prune(job: Job, opts: Options) -> tuple[nn.Module, dict[str, list[int]]]:
-    """Choose the heads the refit can best make up for (:func:`choose_compensable`) and prune them."""
-    return choose_compensable(job.loaded.model, job.batches["choose"], job.objective, job.n)
+def _prune(
+    job: Job, opts: Options, stages: Stages
+) -> tuple[nn.Module, dict[str, list[int]], nn.Module | None, Floor | None]:
+    """Choose the heads the refit can best make up for (:func:`choose_compensable`) and prune them. With
+    ``--quality``: as many of them as keep that share of the validation quality after the refit
+    (:func:`~.floor.search`), and that refit model too (the refit stage's). Returns the pruned model, the
+    removed heads, the refit model (None without ``--quality``) and the search's :class:`~.floor.Floor`."""
+    original, batches = job.loaded.model, job.batches["choose"]
+    if opts.importance_rounds:  # the peer: Michel et al.'s gradient importance
+        job.objective.prepare(original, batches)
+        pruned, removed = choose_and_prune(original, batches, job.objective, job.n, opts.importance_rounds)
+        return pruned, removed, None, None
+    if job.floor is None:
+        pruned, removed = choose_compensable(original, batches, job.objective, job.n)
+        job.n = sum(map(len, removed.values()))  # fewer under grouped-query attention: whole groups go
+        return pruned, removed, None, None
+    most = most_heads(job.counts, gqa_groups(original))
+    order = compensable_order(original, batches, job.objective, most)
+    floor, refit = search(
+        original, order, job.floor, lambda m, removed: _refit_copy(job, opts, m, removed), stages.relative
+    )
+    for n, q in sorted(floor.tried.items()):
+        stages.echo(
+            f"--quality {job.floor:g}: {n} heads removed and refit keep {q:.4f} of the validation quality"
+        )
+    if floor.n == 0:
+        raise PruneError(
+            f"--quality {job.floor:g}: no head can go (removing the first and refitting keeps "
+            f"{min(floor.tried.items())[1]:.6f} of the validation quality); lower --quality"
+        )
+    job.n = floor.n
+    removed = floor.removed
+    return heads_tools.prune(original, removed), removed, refit, floor
 
 
-def _refit(
-    job: Job, opts: Options, pruned: nn.Module, removed: dict[str, list[int]], stages: Stages
-) -> nn.Module:
-    """Refit each pruned layer's attention output projection and each layer's feed-forward output projection,
-    layer by layer, on the training texts and ``opts.crops`` random crops of each (:func:`refit_layers`);
-    kept if validation improves."""
+def _refit_copy(job: Job, opts: Options, pruned: nn.Module, removed: dict[str, list[int]]) -> nn.Module:
+    """A copy of ``pruned`` with each pruned layer's attention output projection and each layer's feed-forward
+    output projection refit, layer by layer, on the training texts and ``opts.crops`` random crops of each
+    (:func:`refit_layers`)."""
     candidate = copy.deepcopy(pruned)
     original, batches = job.loaded.model, job.batches["refit"]
     with Progress(len(removed) + len(feed_forward_sums(pruned)), "refit", enabled=opts.progress) as bar:
         refit_layers(
             candidate, original, batches, job.objective, list(removed), progress=lambda: bar.update(1)
         )
+    return candidate
+
+
+def _refit(
+    job: Job,
+    opts: Options,
+    pruned: nn.Module,
+    removed: dict[str, list[int]],
+    stages: Stages,
+    candidate: nn.Module | None = None,
+) -> nn.Module:
+    """The refit stage (:func:`_refit_copy`, or ``candidate`` when the ``--quality`` search made it already);
+    kept if validation improves."""
+    candidate = _refit_copy(job, opts, pruned, removed) if candidate is None else candidate
     stages.measure(REFIT, candidate)
     return candidate if stages.rows[-1]["kept"] else pruned
 
@@ -213,7 +299,9 @@ def _reconstruct(
     errors_lists = {k: list(v) for k, v in errors.items()}
     if not stages.rows[-1]["kept"]:
         return model, errors_lists
-    job.steps = recover_steps(opts.recover, reconstructed=True)  # less left to recover: a shorter default
+    job.steps = recover_steps(
+        opts.recover, reconstructed=True, scale=job.scale
+    )  # less left: a shorter default
     return candidate, errors_lists
 
 
@@ -240,8 +328,26 @@ def _recover(job: Job, opts: Options, model: nn.Module, stages: Stages) -> Recov
     return rec
 
 
+def _recovery_record(job: Job, rec: Recovery) -> dict[str, Any]:
+    return {
+        "steps": job.steps,
+        "steps_run": len(rec.losses),
+        "kept_step": rec.kept_step,
+        "lrs_tried": rec.lrs,
+        "checks": rec.checks,
+        "loss_first_last": [rec.losses[0], rec.losses[-1]] if rec.losses else None,
+    }
+
+
 def _report(
-    job: Job, opts: Options, model: nn.Module, removed: dict, stages: Stages, rec: Recovery, errors: dict
+    job: Job,
+    opts: Options,
+    model: nn.Module,
+    removed: dict,
+    stages: Stages,
+    rec: Recovery,
+    errors: dict,
+    floor: Floor | None,
 ) -> dict:
     original, s = job.loaded.model, job.splits
     final = stages.last_kept()
@@ -250,7 +356,9 @@ def _report(
         "kind": job.loaded.kind,
         "model_class": type(original).__name__,
         "objective": job.objective.name,
-        "heads_arg": str(opts.heads),
+        "heads_arg": None if opts.heads is None else str(opts.heads),
+        "quality_arg": None if opts.quality is None else str(opts.quality),
+        "floor": None if floor is None else floor.as_dict(),
         "pruned_count": job.n,
         "heads_before": sum(job.counts.values()),
         "heads_after": sum(heads_tools.head_counts(model).values()),
@@ -266,14 +374,9 @@ def _report(
         },  # fmt: skip
         "warning": job.warning(),
         "reconstruction": errors,  # layer -> validation error [before, after] (relative mean square)
-        "recovery": {
-            "steps": job.steps,
-            "steps_run": len(rec.losses),
-            "kept_step": rec.kept_step,
-            "lrs_tried": rec.lrs,
-            "checks": rec.checks,
-            "loss_first_last": [rec.losses[0], rec.losses[-1]] if rec.losses else None,
-        },  # fmt: skip
+        "default_steps_scale": job.scale,
+        "reconstruct_steps": job.reconstruct,
+        "recovery": _recovery_record(job, rec),
         "quality": {
             "metric": job.objective.metric,
             "direction": job.objective.direction,
@@ -313,12 +416,14 @@ def run(opts: Options, *, echo: Echo = print) -> dict[str, Any]:
         echo(f"warning: {job.warning()}")
     _batch(job, opts)
     stages = Stages(job, echo)
-    pruned, removed = _prune(job, opts)
+    pruned, removed, refit, floor = _prune(job, opts, stages)
     stages.measure(PRUNED, pruned, kept=True)
-    model = _refit(job, opts, pruned, removed, stages)
-    model, errors = _reconstruct(job, opts, model, removed, stages)
+    model, errors = pruned, {}
+    if not opts.importance_rounds:  # the peer recovers only
+        model = _refit(job, opts, pruned, removed, stages, refit)
+        model, errors = _reconstruct(job, opts, model, removed, stages)
     rec = _recover(job, opts, model, stages)
-    report = _report(job, opts, model, removed, stages, rec, errors)
+    report = _report(job, opts, model, removed, stages, rec, errors, floor)
     report["seconds"] = time.perf_counter() - started
     save(Path(opts.out), job.loaded, model, report)
     echo(markdown(report))
@@ -332,6 +437,7 @@ def options_from(args: Any) -> Options:
         model_dir=args.model_dir,
         data=args.data,
         heads=args.heads,
+        quality=args.quality,
         out=args.out,
         recover=args.recover,
         reconstruct=args.reconstruct,

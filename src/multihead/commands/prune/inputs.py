@@ -30,11 +30,15 @@ __all__ = [
     "check_out",
     "encode",
     "heads_to_prune",
+    "most_heads",
+    "check_amount",
     "parse_heads",
+    "parse_quality",
     "read_texts",
     "reconstruct_steps",
     "recover_steps",
     "recovery_lrs",
+    "size_scale",
     "split_texts",
 ]
 
@@ -84,7 +88,7 @@ class Options:
 
     model_dir: str | Path
     data: str | Path
-    heads: str
+    heads: str | None  # a fraction or a count; None with ``quality``
     out: str | Path
     recover: int | str | None = None  # None: DEFAULT_RECOVER
     reconstruct: int | str | None = None  # steps per layer; None: DEFAULT_RECONSTRUCT
@@ -100,6 +104,9 @@ class Options:
     seed: int = 0
     progress: bool = True
     timing: Settings = PAIR_SETTINGS
+    quality: str | float | None = None  # --quality: the share of the validation quality to keep
+    importance_rounds: int = 0  # > 0: the benchmarks' peer -- heads chosen by gradient importance in this
+    # many rounds (Michel et al., choose.choose_and_prune), no refit or reconstruction stage, recovery alone
 
 
 def read_texts(path: str | Path) -> list[str]:
@@ -137,17 +144,54 @@ def parse_heads(text: str) -> float | int:
     )
 
 
-def heads_to_prune(value: float | int, counts: dict[str, int]) -> int:
-    """How many heads ``--heads value`` prunes out of ``counts`` ({module: H}); no module may lose all."""
-    total, most = sum(counts.values()), sum(counts.values()) - len(counts)
+def parse_quality(text: Any) -> float:
+    """``"0.99"`` -> 0.99: the share of the original's validation quality ``--quality`` keeps, in (0, 1)."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        value = math.nan
+    if not 0 < value < 1:
+        raise PruneError(
+            f"--quality must be the share of the original's quality to keep, in (0, 1) (e.g. 0.99), got {text!r}"
+        )
+    return value
+
+
+def check_amount(heads: Any, quality: Any) -> None:
+    """Exactly one of ``--heads`` and ``--quality`` must be given."""
+    if heads is None and quality is None:
+        raise PruneError(
+            "give --heads (how many heads go, e.g. 0.25) or --quality (the share of the quality to keep, e.g. 0.99)"
+        )
+    if heads is not None and quality is not None:
+        raise PruneError(
+            f"give --heads or --quality, not both (got --heads {heads} and --quality {quality}): --heads fixes "
+            "how many heads go, --quality finds the most that keep that share of the quality"
+        )
+
+
+def heads_to_prune(value: float | int, counts: dict[str, int], groups: dict[str, int] | None = None) -> int:
+    """How many heads ``--heads value`` prunes out of ``counts`` ({module: H}); no module may lose all.
+    ``groups`` ({module: G}): modules whose heads go in groups of G (grouped-query attention: each keeps one
+    group at least, and a count between two multiples of G is rounded down by the choice)."""
+    groups = groups or {}
+    total, most = sum(counts.values()), most_heads(counts, groups)
     n = max(1, round(value * total)) if isinstance(value, float) else value
     if n > most:
         asked = f"{value} of {total} heads = {n}" if isinstance(value, float) else f"{n} of {total} heads"
+        keeps = "at least one head" + (
+            " (one key/value group under grouped-query attention)" if groups else ""
+        )
         raise PruneError(
             f"--heads {value}: pruning {asked} would empty a layer (each of the {len(counts)} attention "
-            f"layers keeps at least one head, so at most {most} can go)"
+            f"layers keeps {keeps}, so at most {most} can go)"
         )
     return n
+
+
+def most_heads(counts: dict[str, int], groups: dict[str, int]) -> int:
+    """The most heads that can go when each module keeps one head, or one group of ``groups[module]``."""
+    return sum(h - groups.get(name, 1) for name, h in counts.items())
 
 
 def _steps(value: int | str | None, default: int, flag: str, zero: str) -> int:
@@ -163,20 +207,41 @@ def _steps(value: int | str | None, default: int, flag: str, zero: str) -> int:
     return steps
 
 
-def recover_steps(value: int | str | None, *, reconstructed: bool = False) -> int:
+REFERENCE_PARAMS = 22_713_216
+"""Parameters of all-MiniLM-L6-v2, the model the default steps were measured on: for a larger model the
+defaults shrink in proportion (:func:`size_scale`), so that the training stages cost about what they cost
+there (a step's work grows with the parameters)."""
+REFERENCE_LAYERS = 6  # all-MiniLM-L6-v2's layers: the default reconstruction steps are per layer there
+MIN_RECONSTRUCT = 25
+"""Fewer default reconstruction steps per layer than this (one validation check's worth) and the stage is
+skipped: its checks would cost more than its steps."""
+
+
+def size_scale(params: int) -> float:
+    """How much of the default training steps a model of ``params`` parameters gets: ``REFERENCE_PARAMS /
+    params``, at most 1 (SmolLM2-135M: 0.17)."""
+    return min(1.0, REFERENCE_PARAMS / max(params, 1))
+
+
+def recover_steps(value: int | str | None, *, reconstructed: bool = False, scale: float = 1.0) -> int:
     """``--recover`` as a number of steps (None: :data:`DEFAULT_RECOVER`, or
-    :data:`DEFAULT_RECOVER_RECONSTRUCTED` when the reconstruction stage was kept)."""
+    :data:`DEFAULT_RECOVER_RECONSTRUCTED` when the reconstruction stage was kept, times ``scale``:
+    :func:`size_scale`)."""
     default = DEFAULT_RECOVER_RECONSTRUCTED if reconstructed else DEFAULT_RECOVER
-    return _steps(value, default, "--recover", "no recovery")
+    return _steps(value, round(default * scale), "--recover", "no recovery")
 
 
 DEFAULT_RECONSTRUCT = 300
 """Default reconstruction steps per pruned layer (:mod:`.reconstruct`; at most: the best check is kept)."""
 
 
-def reconstruct_steps(value: int | str | None) -> int:
-    """``--reconstruct`` as a number of steps per layer (None: :data:`DEFAULT_RECONSTRUCT`)."""
-    return _steps(value, DEFAULT_RECONSTRUCT, "--reconstruct", "no reconstruction")
+def reconstruct_steps(value: int | str | None, *, scale: float = 1.0, layers: int = REFERENCE_LAYERS) -> int:
+    """``--reconstruct`` as a number of steps per layer (None: :data:`DEFAULT_RECONSTRUCT` for a model of
+    :data:`REFERENCE_LAYERS` layers, the same steps in all shared among ``layers`` and times ``scale``
+    (:func:`size_scale`); 0 below :data:`MIN_RECONSTRUCT` a layer)."""
+    per_layer = DEFAULT_RECONSTRUCT * scale * REFERENCE_LAYERS / max(layers, 1)
+    default = round(per_layer) if per_layer >= MIN_RECONSTRUCT else 0
+    return _steps(value, default, "--reconstruct", "no reconstruction")
 
 
 def check_out(out: Path) -> None:

@@ -199,6 +199,12 @@ class Objective:
         """``value`` of :meth:`quality` as a number where higher is better (to compare stages)."""
         return value if self.higher_is_better else -value
 
+    def relative(self, value: float) -> float:
+        """``value`` of :meth:`quality` as the share of the original's quality kept (1.0 = unchanged, higher
+        is better): what ``--quality`` compares with. The quality itself for a correlation; ``1 / ratio``
+        for a perplexity ratio (``--quality 0.99``: perplexity at most ``1 / 0.99`` times the original's)."""
+        return value if self.higher_is_better else 1.0 / value
+
 
 class _LanguageModel(Objective):
     metric = "perplexity ratio"

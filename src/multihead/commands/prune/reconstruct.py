@@ -24,15 +24,15 @@ learning rates tried are in docs/heads.md.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from .inputs import DEFAULT_RECONSTRUCT
 from .objectives import Batch, Objective
-from .refit import _real, _Stop, output_projection
+from .refit import _real, output_projection
+from .replay import Call, Chain, first, layer_of, stack_of
 
 __all__ = ["CHECK_EVERY", "LR", "layer_of", "reconstruct_layers"]
 
@@ -43,44 +43,13 @@ CHECK_EVERY = 25
 """Steps between validation checks."""
 
 
-def layer_of(model: nn.Module, name: str) -> str | None:
-    """The name of the layer holding attention module ``name``: the element of an ``nn.ModuleList`` nearest
-    above it (None when there is none)."""
-    parts = name.split(".")
-    for i in range(len(parts) - 1, 0, -1):
-        if parts[i].isdigit() and isinstance(model.get_submodule(".".join(parts[:i])), nn.ModuleList):
-            return ".".join(parts[: i + 1])
-    return None
-
-
-Call = tuple[tuple[Any, ...], dict[str, Any]]
-
-
-def _is_cache(value: object) -> bool:
-    """Whether ``value`` is a KV cache (a ``transformers`` ``Cache``, by its class or a base's name)."""
-    return any(c.__name__.endswith("Cache") for c in type(value).__mro__[:-1])
-
-
-def _no_cache(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
-    """The layer's arguments with any KV cache left out (replaying must not append to one): a cache object
-    under any name (``past_key_values`` in transformers 5.23, ``cache`` in 5.24) becomes None."""
-    out = {k: (None if "past_key" in k or _is_cache(v) else v) for k, v in kwargs.items()}
-    if "use_cache" in out:
-        out["use_cache"] = False
-    return tuple(None if _is_cache(a) else a for a in args), out
-
-
-def _first(out: Any) -> Tensor:
-    return out[0] if isinstance(out, tuple) else out
-
-
 def _teacher_outputs(
     model: nn.Module, layers: dict[str, nn.Module], batches: Sequence[Batch], objective: Objective
 ) -> dict[str, list[Tensor]]:
     """One pass of ``model``: each layer's output per batch; a layer run other than once per batch is left out."""
     seen: dict[str, list[Tensor]] = {name: [] for name in layers}
     handles = [
-        layer.register_forward_hook(lambda _m, _a, out, name=name: seen[name].append(_first(out).detach()))
+        layer.register_forward_hook(lambda _m, _a, out, name=name: seen[name].append(first(out).detach()))
         for name, layer in layers.items()
     ]
     try:
@@ -91,29 +60,6 @@ def _teacher_outputs(
         for h in handles:
             h.remove()
     return {name: outs for name, outs in seen.items() if len(outs) == len(batches)}
-
-
-def _student_calls(
-    model: nn.Module, layer: nn.Module, batches: Sequence[Batch], objective: Objective
-) -> list[Call]:
-    """The arguments ``model`` passes ``layer`` on each batch (each pass stops there)."""
-    calls: list[Call] = []
-
-    def hook(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        calls.append(_no_cache(args, kwargs))
-        raise _Stop
-
-    handle = layer.register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            for b in batches:
-                try:
-                    objective.forward(model, b)
-                except _Stop:
-                    pass
-    finally:
-        handle.remove()
-    return calls
 
 
 class _Fit:
@@ -128,7 +74,7 @@ class _Fit:
 
     def loss(self, i: int) -> Tensor:
         args, kwargs = self.calls[i]
-        out = _first(self.layer(*args, **kwargs))
+        out = first(self.layer(*args, **kwargs))
         r = self.real[i]
         return (out[r] - self.targets[i][r]).float().pow(2).mean() / self.scale
 
@@ -166,30 +112,19 @@ def reconstruct_layers(
                 {id(p): p for p in (*s_mods[name].parameters(), *proj.parameters())}
             )
     order = [n for n in s_mods if n in own]  # the order the model builds (and runs) its layers
-    t_layers = {n: teacher.get_submodule(n) for n in order}
-    targets = {"train": _teacher_outputs(teacher, t_layers, batches, objective),
-               "validation": _teacher_outputs(teacher, t_layers, validation, objective)}  # fmt: skip
     done: dict[str, tuple[float, float]] = {}
     was_training = student.training
     student.eval()
     grads = {p: p.requires_grad for p in student.parameters()}
     gen = torch.Generator().manual_seed(seed)
+    sets = (batches, validation)
     try:
         for p in student.parameters():
             p.requires_grad_(False)
-        for name in order:
-            if name not in targets["train"] or name not in targets["validation"]:
-                continue
-            layer = s_mods[name]
-            fit = _Fit(
-                layer, _student_calls(student, layer, batches, objective), targets["train"][name], batches
-            )
-            check = _Fit(
-                layer,
-                _student_calls(student, layer, validation, objective),
-                targets["validation"][name],
-                validation,
-            )
+        layers = _chained(student, teacher, order, sets, objective) or _by_passes(
+            student, teacher, order, sets, objective
+        )
+        for name, fit, check in layers:
             done[name] = _train(fit, check, list(own[name].values()), steps, lr, check_every, gen)
             if progress is not None:
                 progress()
@@ -198,6 +133,65 @@ def reconstruct_layers(
             p.requires_grad_(g)
         student.train(was_training)
     return done
+
+
+Sets = tuple[Sequence[Batch], Sequence[Batch]]  # (training batches, validation batches)
+Layers = Iterator[tuple[str, "_Fit", "_Fit"]]  # (layer, its training fit, its validation check), in order
+
+
+def _chained(
+    student: nn.Module, teacher: nn.Module, order: list[str], sets: Sets, objective: Objective
+) -> Layers | None:
+    """Each layer of ``order`` with its training and validation data, through a :class:`~.replay.Chain` of
+    each model per set over the layers from the first of ``order`` to the last: every layer runs once per
+    batch (the student's after its training, so the next layer sees the trained one's output). None
+    where the layers do not chain."""
+    stack = stack_of(student, order) if order else None
+    if stack is None:
+        return None
+    names = stack[stack.index(order[0]) : stack.index(order[-1]) + 1]
+    chains = [(Chain.record(teacher, names, b, objective), Chain.record(student, names, b, objective))
+              for b in sets]  # fmt: skip
+    if any(c is None for pair in chains for c in pair):
+        return None
+
+    def layers() -> Layers:
+        for name in names:
+            targets: list[list[Tensor]] = [[], []]
+            for (t_chain, _), seen in zip(chains, targets, strict=True):
+                t_chain.advance(each=lambda _b, out, seen=seen: seen.append(out))  # type: ignore[union-attr]
+            if name in order:
+                fit, check = (
+                    _Fit(s_chain.layer, [s_chain.call(i) for i in range(len(b))], t, b)  # type: ignore[union-attr]
+                    for (_, s_chain), t, b in zip(chains, targets, sets, strict=True)
+                )
+                yield name, fit, check
+            for _, s_chain in chains:
+                s_chain.advance()  # type: ignore[union-attr]
+
+    return layers()
+
+
+def _by_passes(
+    student: nn.Module, teacher: nn.Module, order: list[str], sets: Sets, objective: Objective
+) -> Layers:
+    """:func:`_chained` where the layers do not chain: one pass of the teacher per set records every layer's
+    output, one pass of the student per layer (stopped there) gives its inputs."""
+    t_layers = {n: teacher.get_submodule(n) for n in order}
+    targets = [_teacher_outputs(teacher, t_layers, b, objective) for b in sets]
+    for name in order:
+        if not all(name in t for t in targets):
+            continue
+        fit, check = (_Fit(student.get_submodule(name), _calls(student, name, b, objective), t[name], b)
+                      for t, b in zip(targets, sets, strict=True))  # fmt: skip
+        yield name, fit, check
+
+
+def _calls(model: nn.Module, name: str, batches: Sequence[Batch], objective: Objective) -> list[Call]:
+    """The arguments ``model`` passes its layer ``name`` on each batch (each pass stops there)."""
+    chain = Chain.record(model, [name], batches, objective)
+    assert chain is not None  # one layer always chains
+    return [chain.call(i) for i in range(len(batches))]
 
 
 def _train(

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from ...heads.naming import attention_modules
 from ...nn.attention import MultiHeadAttention
 from .objectives import Batch, Objective
+from .replay import Chain, _Stop, layer_of, run_stopped, stack_of
 
 __all__ = [
     "FEED_FORWARD_RIDGE",
@@ -74,12 +75,16 @@ class LeastSquares:
         self.rows = 0
 
     def add(self, x: Tensor, y: Tensor) -> None:
-        x1 = torch.cat([x.double(), torch.ones(len(x), 1, dtype=torch.float64)], 1)  # (n, I + 1)
-        y = y.double()
-        self.gram += x1.T @ x1
-        self.cross += x1.T @ y
-        self.y_sum += y.sum(0)
-        self.y_squares += float((y * y).sum())
+        """Add rows ``x`` (n, I), ``y`` (n, O): their products in the inputs' precision (float32 at least),
+        added to float64 sums (one call's n rows are few; the sums over every call are what needs the
+        precision)."""
+        dt = torch.promote_types(torch.promote_types(x.dtype, y.dtype), torch.float32)
+        x1 = torch.cat([x.to(dt), torch.ones(len(x), 1, dtype=dt)], 1)  # (n, I + 1)
+        y = y.to(dt)
+        self.gram += (x1.T @ x1).double()
+        self.cross += (x1.T @ y).double()
+        self.y_sum += y.sum(0, dtype=torch.float64)
+        self.y_squares += float(y.double().pow(2).sum())
         self.rows += len(x)
 
     def solution(self, columns: Tensor, ridge: float = RIDGE, *, bias: bool = True) -> Tensor:
@@ -170,10 +175,6 @@ def output_projection(model: nn.Module, name: str, module: nn.Module) -> Project
     return Projection(model.get_submodule(path.lstrip(".")), arch.conv1d)
 
 
-class _Stop(Exception):
-    """Raised by a capture hook once it has what it needs: the rest of the forward pass is skipped."""
-
-
 def _real(t: Tensor, mask: Tensor) -> Tensor:
     """(B, L) bool: which rows of ``t`` (B, L, C) are real tokens: ``mask`` (B, L) where it fits ``t``'s
     shape, else every row."""
@@ -258,26 +259,102 @@ def _refit_in_order(
     teacher: nn.Module,
     batches: Sequence[Batch],
     objective: Objective,
-    steps: Sequence[_Step],
+    steps: Sequence[tuple[str, _Step]],
     progress: Callable[[], None] | None,
 ) -> int:
-    """Run ``steps`` (in the order the model runs their layers) on the real tokens of ``batches``: one pass
-    of the teacher records every target; then each step's fit sees the student's inputs as the steps
-    before it left them (a pass stopped at the step's last layer per batch). Returns ``len(steps)``."""
-    current: dict[str, Any] = {}
-    _run_hooked(teacher, batches, objective, current, [step.teacher_hook(current) for step in steps])
-    for step in steps:
-        fit: LeastSquares | None = None
-        for b, target in zip(batches, step.targets, strict=True):
-            x, y = step.rows(_capture_inputs(student, step.capture(), objective, b), target)
-            fit = fit or LeastSquares(x.shape[1], y.shape[1])
-            fit.add(x, y)
-        assert fit is not None
-        step.apply(fit)
-        step.targets.clear()
-        if progress is not None:
-            progress()
+    """Run ``steps`` (``(attention module, step)``, in the order the model runs their layers) on the real
+    tokens of ``batches``: each step's fit sees the student's inputs as the steps before it left them.
+
+    Where the layers chain, through a :class:`~.replay.Chain` of each model over the layers from the first
+    step's to the last's: at each layer the teacher's layer runs once per batch (recording that layer's
+    targets), then per step the student's layer once per batch (its inputs for the fit), then once more to
+    give the next layer's input. Elsewhere one pass of the teacher records every target and a pass of the
+    student stopped at each step's last layer gives its inputs. Returns ``len(steps)``."""
+    chains = _chains(student, teacher, batches, objective, [name for name, _ in steps]) if steps else None
+    if chains is None:
+        current: dict[str, Any] = {}
+        _run_hooked(teacher, batches, objective, current, [step.teacher_hook(current) for _, step in steps])
+        for _, step in steps:
+            _fit_step(
+                step, [_capture_inputs(student, step.capture(), objective, b) for b in batches], progress
+            )
+        return len(steps)
+    t_chain, s_chain = chains
+    layers = [layer_of(student, name) for name, _ in steps]
+    current = {}
+
+    def masked(b: int) -> None:
+        current["mask"] = batches[b].inputs["attention_mask"]
+
+    for name in s_chain.names:
+        here = [step for (_, step), layer in zip(steps, layers, strict=True) if layer == name]
+        handles = [step.teacher_hook(current) for step in here]
+        try:
+            t_chain.advance(before=masked)
+        finally:
+            for h in handles:
+                h.remove()
+        for step in here:
+            _fit_step(step, [_capture_in(s_chain, b, step.capture(), batches[b]) for b in range(len(batches))],
+                      progress)  # fmt: skip
+        s_chain.advance()
     return len(steps)
+
+
+def _chains(
+    student: nn.Module, teacher: nn.Module, batches: Sequence[Batch], objective: Objective, modules: list[str]
+) -> tuple[Chain, Chain] | None:
+    """A :class:`~.replay.Chain` of the teacher and of the student over the layers from the one holding the
+    first of ``modules`` (attention modules) to the one holding the last; None where they do not chain."""
+    layers = [layer_of(student, name) for name in modules]
+    stack = None if None in layers else stack_of(student, layers)  # type: ignore[arg-type]
+    if stack is None:
+        return None
+    names = stack[min(map(stack.index, layers)) : max(map(stack.index, layers)) + 1]
+    t_chain, s_chain = (Chain.record(m, names, batches, objective) for m in (teacher, student))
+    return None if t_chain is None or s_chain is None else (t_chain, s_chain)
+
+
+def _fit_step(step: _Step, seen: Sequence[list[Tensor]], progress: Callable[[], None] | None) -> None:
+    """Solve ``step``'s fit from the student's captured inputs ``seen`` (one list per batch) and its
+    targets, and apply it."""
+    fit: LeastSquares | None = None
+    for inputs, target in zip(seen, step.targets, strict=True):
+        x, y = step.rows(inputs, target)
+        fit = fit or LeastSquares(x.shape[1], y.shape[1])
+        fit.add(x, y)
+    assert fit is not None
+    step.apply(fit)
+    step.targets.clear()
+    if progress is not None:
+        progress()
+
+
+def _capture_in(chain: Chain, b: int, modules: Sequence[nn.Module], batch: Batch) -> list[Tensor]:
+    """The real tokens' rows of each of ``modules``' first input when ``chain``'s current layer runs batch
+    ``b`` (modules inside that layer, in the order they run: the run stops at the last)."""
+    seen, handles = _recording(modules, batch)
+    try:
+        chain.run(b)
+    except _Stop:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    return [s[0] for s in seen]
+
+
+def _recording(modules: Sequence[nn.Module], batch: Batch) -> tuple[list[list[Tensor]], list[Any]]:
+    """Hooks that record the real tokens' rows of each of ``modules``' first input on ``batch`` and stop the
+    pass (:class:`_Stop`) at the last of them: ``(what each saw, the hooks' handles)``."""
+    seen: list[list[Tensor]] = [[] for _ in modules]
+    current = {"mask": batch.inputs["attention_mask"]}
+    handles = [m.register_forward_pre_hook(_recorder(seen[i], current)) for i, m in enumerate(modules)]
+
+    def stop(*_: object) -> None:
+        raise _Stop
+
+    return seen, [*handles, modules[-1].register_forward_pre_hook(stop)]
 
 
 def _output_steps(
@@ -314,7 +391,7 @@ def refit(
     module in the order the model runs them, a pass of the student (stopped at that module) gives the
     kept heads' output, and :class:`LeastSquares` gives the new weight and bias.
     """
-    steps = list(_output_steps(student, teacher, modules, ridge).values())
+    steps = list(_output_steps(student, teacher, modules, ridge).items())
     _refit_in_order(student, teacher, batches, objective, steps, progress)
 
 
@@ -357,7 +434,7 @@ def refit_feed_forward(
     change, pulled toward none by ``ridge``, that makes up for what pruning (and every earlier layer)
     changed in this layer's sum. Later layers are fit on the inputs the refit earlier ones give.
     """
-    steps = list(_feed_forward_steps(student, teacher, ridge).values())
+    steps = list(_feed_forward_steps(student, teacher, ridge).items())
     return _refit_in_order(student, teacher, batches, objective, steps, progress)
 
 
@@ -388,7 +465,10 @@ def refit_layers(
     )
     feed = _feed_forward_steps(student, teacher, feed_forward_ridge)
     steps = [
-        step for name in attention_modules(student) for step in (attention.get(name), feed.get(name)) if step
+        (name, step)
+        for name in attention_modules(student)
+        for step in (attention.get(name), feed.get(name))
+        if step
     ]
     return _refit_in_order(student, teacher, batches, objective, steps, progress)
 
@@ -422,7 +502,9 @@ def output_folds(
             x, y = args[0].detach(), output.detach()
             real = _real(x, current["mask"])  # (B, L)
             fold = (current["first"] + torch.arange(len(real))) % folds  # (B,) each text's fold
-            parts = fits.setdefault(name, [LeastSquares(x.shape[-1], y.shape[-1]) for _ in range(folds)])
+            if name not in fits:
+                fits[name] = [LeastSquares(x.shape[-1], y.shape[-1]) for _ in range(folds)]
+            parts = fits[name]
             for f, part in enumerate(parts):
                 rows = real & (fold == f)[:, None]  # (B, L)
                 if rows.any():
@@ -468,20 +550,6 @@ def _capture_inputs(
 ) -> list[Tensor]:
     """The real tokens' rows of each of ``layers``' first input when ``model`` runs ``batch``; the pass
     stops at the last of them (``layers`` in the order they run)."""
-    seen: list[list[Tensor]] = [[] for _ in layers]
-    current = {"mask": batch.inputs["attention_mask"]}
-    handles = [layer.register_forward_pre_hook(_recorder(seen[i], current)) for i, layer in enumerate(layers)]
-
-    def stop(*_: object) -> None:
-        raise _Stop
-
-    handles.append(layers[-1].register_forward_pre_hook(stop))
-    try:
-        with torch.no_grad():
-            objective.forward(model, batch)
-    except _Stop:
-        pass
-    finally:
-        for h in handles:
-            h.remove()
+    seen, handles = _recording(layers, batch)
+    run_stopped(model, objective, batch, handles)
     return [s[0] for s in seen]

@@ -430,3 +430,15 @@ def test_prune_interval_maps_batch_rows_back_to_their_texts():
     for b, r in zip(batches, rows, strict=True):
         for got, att, i in zip(b.inputs["input_ids"], b.inputs["attention_mask"], r, strict=True):
             assert got[att.bool()].tolist() == ids[i]
+
+
+def test_cpu_table_in_the_docs_is_the_committed_reports():
+    """docs/performance.md's per-CPU table is what benchmarks/cpu_table.py makes of the committed reports,
+    with a column for each CPU and every target of the reports as a row."""
+    table = _bench_module("cpu_table")
+    text = table.table()
+    assert text in table.DOC.read_text()
+    header = text.splitlines()[0]
+    assert all(column in header for column in table.COLUMNS)
+    rows, cells, _ = table.collect()
+    assert rows and all(cells[c] for c in table.COLUMNS)

@@ -16,6 +16,11 @@ from multihead.testing import compare_to_reference
 pytestmark = pytest.mark.numerics  # compares with float64: tests/cpu_kernels.py
 
 
+@pytest.fixture(autouse=True)
+def enabled(monkeypatch):
+    monkeypatch.setattr(causal_tiles, "ENABLED", True)
+
+
 @pytest.fixture
 def small_tiles(monkeypatch):
     monkeypatch.setattr(causal_tiles, "TILE", 4)
@@ -78,6 +83,14 @@ def test_autograd_keeps_the_kernel(small_tiles, served):
     g_gold = torch.autograd.grad(gold.sum(), (q, k, v))
     for a, b in zip(g_out, g_gold):
         torch.testing.assert_close(a, b)
+
+
+def test_off_by_default_uses_the_kernel(small_tiles, served, monkeypatch):
+    monkeypatch.setattr(causal_tiles, "ENABLED", False)
+    q, k, v = _qkv(1, 2, 16, 8, torch.float32)
+    with torch.no_grad():
+        assert compare_to_reference(mh.attention, q, k, v, causal=True).ok
+    assert not served
 
 
 def test_grouped_heads_use_the_kernel(small_tiles, served):

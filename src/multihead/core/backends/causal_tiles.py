@@ -28,7 +28,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["MIN_LENGTH", "TILE", "serves", "tiled_causal"]
+__all__ = ["ENABLED", "MIN_LENGTH", "TILE", "serves", "tiled_causal"]
+
+ENABLED = False
+"""Off until timed: written and checked against the reference in a session whose bench runs never got the
+shared machine's benchmark lock, so its speed on a CPU is unmeasured. The arithmetic says 0.53x of the
+unmasked pairs at L = 2,048, but its smallest calls run the kernel's 32- and 64-query blocks, less efficient
+than the (256, 512) ones (a staircase of such calls measured slower than the causal kernel, see
+docs/performance.md). Set it True (``multihead.core.backends.causal_tiles.ENABLED = True``) and run
+``multihead bench --only "causal attention"`` to decide."""
 
 TILE = 128
 """The smallest diagonal tile: L is halved while it stays even and at least twice this (c in [128, 256))."""
@@ -52,7 +60,8 @@ def serves(q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Whether :func:`tiled_causal` serves a causal call on q (B, H, L, Dk), k (B, H, L, Dk), v (B, H, L, Dv)."""
     length = q.shape[2]
     return (
-        q.device.type == "cpu"
+        ENABLED
+        and q.device.type == "cpu"
         and q.dtype in _DTYPES
         and length >= MIN_LENGTH
         and k.shape[2] == length

@@ -1,7 +1,9 @@
 # Two commands do everything on a fresh machine:
 #   make demo   create .venv, install, run the end-to-end demo
-#   make test   create .venv, install, lint, smoke-test the built wheel, run the test suite, and its
-#               numerics tests again under every other CPU kernel torch may pick here (tests/cpu_kernels.py)
+#   make test   create .venv, install, lint, build the documentation site (strict), smoke-test the built
+#               wheel, run the test suite, and its numerics tests again under every other CPU kernel torch
+#               may pick here (tests/cpu_kernels.py)
+#   make docs   the documentation site alone, into build/site/ (docs/development.md)
 # and CI (.ci/run) runs one more:
 #   make test-floor   the suite on the OLDEST torch and Keras that pyproject.toml allows, and the newest
 #                     transformers release on the package index (README.md, "Tested versions")
@@ -10,12 +12,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PIP := -m pip install -q --disable-pip-version-check
-# the wheel's smoke test: a fresh venv (not even pip) with torch (the pin of requirements-dev.txt) and the
-# wheel with its declared dependencies, installed by .venv's pip; --no-compile: no .pyc for all of torch
+# the wheel's smoke test: a fresh venv (not even pip) that sees .venv's torch and torch's own dependencies
+# and nothing else (tests/smoke_env.py links them: no second install of torch, no second compile of it), and
+# the wheel with its declared dependencies, installed by .venv's pip
 SMOKE := build/smoke
-TORCH_PIN := $(shell grep -E '^torch==' requirements-dev.txt)
 
-.PHONY: venv demo test lint wheel smoke bench clean browser test-floor
+.PHONY: venv demo test lint docs wheel smoke bench clean browser test-floor
 
 venv: $(STAMP)
 
@@ -38,6 +40,11 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# the API reference and the guides (mkdocs.yml), offline; strict: a broken link or docstring reference, or a
+# public name without a docstring, fails (docs/_mkdocs/). NO_MKDOCS_2_WARNING: the theme's banner about MkDocs 2
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site
+
 wheel: $(STAMP)
 	rm -rf dist
 	$(PY) -m pip wheel -q --disable-pip-version-check --no-deps --no-build-isolation -w dist .
@@ -45,8 +52,9 @@ wheel: $(STAMP)
 smoke: wheel
 	@start=$$(date +%s); \
 	rm -rf $(SMOKE) && $(PYTHON) -m venv --without-pip $(SMOKE)/venv && \
+	$(PY) tests/smoke_env.py $(SMOKE)/venv && \
 	$(PY) -m pip --python $(SMOKE)/venv/bin/python install -q --disable-pip-version-check --no-compile \
-	  "$(TORCH_PIN)" dist/multihead-*.whl && \
+	  dist/multihead-*.whl && \
 	cd $(SMOKE) && venv/bin/python -W "ignore:Failed to initialize NumPy" ../../tests/wheel_smoke.py; \
 	status=$$?; rm -rf $(CURDIR)/$(SMOKE); \
 	echo "wheel build + fresh venv + install + smoke test: $$(( $$(date +%s) - start )) s"; exit $$status
@@ -61,7 +69,7 @@ browser:
 
 # the suite runs under the CPU kernels torch picks here; tests/cpu_kernels.py then reruns the tests marked
 # `numerics` (those that compare with the float64 reference) under every other ATEN_CPU_CAPABILITY the CPU has
-test: lint smoke browser
+test: lint docs smoke browser
 	$(PY) -m pytest -q -n 2 --dist worksteal --durations=10
 	$(PY) tests/cpu_kernels.py
 

@@ -19,8 +19,8 @@ import pytest
 import torchvision_env
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = {
-    p.relative_to(ROOT).as_posix(): p for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = {  # the guides, the API reference's pages (docs/api/), any page added under docs/
+    p.relative_to(ROOT).as_posix(): p for p in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 }
 FENCE = re.compile(r"^[ \t]*```(\w*)\n(.*?)^[ \t]*```[ \t]*$", flags=re.S | re.M)
 KNOWN_FENCES = {"python", "text", "bash", "java"}
@@ -80,7 +80,7 @@ def test_page_runs(page, tmp_path, monkeypatch):
     monkeypatch.setenv("KERAS_BACKEND", "torch")  # only matters if Keras is not imported yet
     monkeypatch.chdir(tmp_path)  # files a page writes (an .onnx export, a plot) land here
     # the page is an importable module while it runs: torch's compiler looks a function's module up
-    page_module = types.ModuleType(f"docs.{PAGES[page].stem}")
+    page_module = types.ModuleType("docs." + page.removeprefix("docs/").removesuffix(".md").replace("/", "."))
     monkeypatch.setitem(sys.modules, page_module.__name__, page_module)
     namespace = page_module.__dict__
     for line, code in blocks:
@@ -114,3 +114,19 @@ def test_tests_a_page_cites_exist(page):
         if not (tests / file).exists() or f"def {name}(" not in (tests / file).read_text()
     ]
     assert not missing, f"{page} cites tests that do not exist: {missing}"
+
+
+def test_the_guide_lists_every_backend():
+    """docs/guide.md's backend table has a row for every backend the library defines (a class with a ``name``
+    in ``core/backends/``; read from the source: the registry at run time may hold a test's or a page's own)."""
+    names = set()
+    for path in (ROOT / "src" / "multihead" / "core" / "backends").glob("*.py"):
+        for cls in (n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)):
+            for stmt in cls.body:
+                if isinstance(stmt, ast.Assign) and [getattr(t, "id", None) for t in stmt.targets] == [
+                    "name"
+                ]:
+                    names.add(ast.literal_eval(stmt.value))
+    assert names >= {"flex", "sdpa", "blocked", "math"}, names
+    rows = re.findall(r'^\| `"(\w+)"`', PAGES["docs/guide.md"].read_text(), flags=re.M)
+    assert names | {"auto"} == set(rows), rows

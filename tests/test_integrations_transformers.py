@@ -427,6 +427,23 @@ def test_attention_sinks_of_another_shape_are_refused():
         mhtf.attention_forward(_Module(), q, k, v, None, sinks=torch.zeros(1, 2, 3, 1))
 
 
+IMPORT_REGISTERS = """\
+import transformers as T
+import multihead.integrations.transformers as mhtf
+cfg = T.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                    num_attention_heads=4, num_key_value_heads=2)
+model = T.AutoModelForCausalLM.from_config(cfg, attn_implementation="multihead")
+print(model.config._attn_implementation, mhtf.is_registered("multihead"))
+"""
+
+
+def test_importing_the_integration_registers_multihead():
+    """No register() call: the import alone makes attn_implementation="multihead" loadable (a fresh process,
+    since this one has registered already)."""
+    out = subprocess.run([sys.executable, "-c", IMPORT_REGISTERS], capture_output=True, text=True, check=True)
+    assert out.stdout.split()[-2:] == ["multihead", "True"]
+
+
 def test_import_multihead_does_not_import_transformers():
     code = "import sys, multihead, multihead.heads, multihead.viz; print('transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

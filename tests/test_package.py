@@ -92,8 +92,10 @@ def test_the_floor_job_pins_pyprojects_floors_and_otherwise_the_dev_pins():
     (hf_req,) = PROJECT["optional-dependencies"]["transformers"]
     assert "transformers" not in floor and dev["transformers"] == _floor(hf_req) + ".0"
     # the rest exactly as pinned for development, less what the floor job does not run (lint, TF, JAX) and
-    # attn-gym, which needs torch 2.9's FlexAttention (tests/test_flex_semantics.py skips there)
+    # attn-gym, which needs torch 2.9's FlexAttention (tests/test_flex_semantics.py skips there), and the
+    # documentation site's tools (`make docs` runs on the dev pins)
     not_on_floor = ("torch", "keras", "transformers", "ruff", "tensorflow-cpu", "jax", "jaxlib", "attn-gym")
+    not_on_floor += ("mkdocs", "mkdocstrings", "mkdocstrings-python", "mkdocs-material")
     assert {n: v for n, v in floor.items() if n not in ("torch", "keras")} == {
         n: v for n, v in dev.items() if n not in not_on_floor
     }

@@ -107,7 +107,7 @@ def check_sinks(sinks: Tensor | None, q: Tensor) -> Tensor | None:
 def prepare(
     q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions | None = None, /, **keywords: Any
 ) -> _backends.AttentionCall:
-    """Validate an attention call and normalise its masks into an :class:`~multihead.backends.AttentionCall`.
+    """Validate an attention call and normalise its masks into an :class:`~multihead.core.backends.AttentionCall`.
 
     The options come as one :class:`AttentionOptions` record or as :func:`attention`'s keywords.
     """

@@ -297,43 +297,54 @@ def make_plan(
             "torch.distributed.init_process_group(...) in every process (or start them with "
             "multihead.distributed.launch / torchrun), or use multihead.attention in a single process"
         )
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    error: Exception | None = None
-    ids = None
-    try:
-        meta, ids = _local_meta(
-            q,
-            k,
-            v,
-            causal=causal,
-            layout=layout,
-            valid_lens=valid_lens,
-            key_mask=key_mask,
-            segment_ids=segment_ids,
-            block_kernel=block_kernel,
-            strategy=strategy,
-            pieces=pieces,
-            softcap=softcap,
-            sinks=sinks,
-            head_chunks=head_chunks,
-        )
-        scale = check_scale(scale, q.shape[-1])
-    except (TypeError, ValueError) as exc:
-        error, meta = exc, Meta(*([0] * len(Meta._fields)))
-    table = agree(meta, group, caller, like=q)  # P rows, identical on every rank
-    if error is not None:
-        raise error
-    bad = [s for s, row in enumerate(table) if not row.ok]
-    if bad:
-        raise RuntimeError(f"{caller}: rank(s) {bad} rejected their inputs (their own error says why)")
-    for field in Meta._fields:
-        values = [getattr(row, field) for row in table]
-        if field not in _PER_RANK and len(set(values)) > 1:
-            shown = [_CHOICES[field][x] for x in values] if field in _CHOICES else values
-            raise ValueError(  # one message on every rank, whatever each one called
-                f"sequence-parallel attention: every rank must pass the same {_NAMES.get(field, field)}; "
-                f"ranks 0..{world - 1} gave {shown}"
-            )
+    local = dict(
+        causal=causal,
+        layout=layout,
+        valid_lens=valid_lens,
+        key_mask=key_mask,
+        segment_ids=segment_ids,
+        block_kernel=block_kernel,
+        strategy=strategy,
+        pieces=pieces,
+        softcap=softcap,
+        sinks=sinks,
+        head_chunks=head_chunks,
+    )
+    table, ids, scale = _agreed_table(q, k, v, group, caller, scale, local)
+    return _plan_from(
+        q,
+        table,
+        ids,
+        scale,
+        group=group,
+        caller=caller,
+        layout=layout,
+        positions=positions,
+        causal=causal,
+        valid_lens=valid_lens,
+        block_kernel=block_kernel,
+        softcap=softcap,
+    )
+
+
+def _plan_from(
+    q: Tensor,
+    table: list[Meta],
+    ids: tuple[Tensor, Tensor] | None,
+    scale: float,
+    *,
+    group: Any,
+    caller: str,
+    layout: str,
+    positions: tuple[list[Tensor], list[Tensor]] | None,
+    causal: bool,
+    valid_lens: Tensor | None,
+    block_kernel: str,
+    softcap: float | None,
+) -> Plan:
+    """This rank's :class:`Plan` from the agreed ``table``: every rank's token positions, its peers, the
+    block kernel (the checks that need every rank's lengths raise here, the same on every rank)."""
+    world, rank = len(table), dist.get_rank(group)
     lq_all, lk_all = [row.lq for row in table], [row.lk for row in table]
     if min(lq_all) == 0 or min(lk_all) == 0:
         raise ValueError(
@@ -375,6 +386,42 @@ def make_plan(
         softcap=check_softcap(softcap),
         grad=any(row.grad for row in table),
     )
+
+
+def _agreed_table(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: Any,
+    caller: str,
+    scale: float | None,
+    local: dict[str, Any],
+) -> tuple[list[Meta], tuple[Tensor, Tensor] | None, float]:
+    """Every rank's :class:`Meta` (``local``: :func:`_local_meta`'s keywords), this rank's checked segment
+    ids and scale. Collective: a rank whose inputs are wrong raises its own error, the others name it; a
+    field that must agree and does not raises the same message everywhere."""
+    error: Exception | None = None
+    ids = None
+    try:
+        meta, ids = _local_meta(q, k, v, **local)
+        scale = check_scale(scale, q.shape[-1])
+    except (TypeError, ValueError) as exc:
+        error, meta = exc, Meta(*([0] * len(Meta._fields)))
+    table = agree(meta, group, caller, like=q)  # P rows, identical on every rank
+    if error is not None:
+        raise error
+    bad = [s for s, row in enumerate(table) if not row.ok]
+    if bad:
+        raise RuntimeError(f"{caller}: rank(s) {bad} rejected their inputs (their own error says why)")
+    for field in Meta._fields:
+        values = [getattr(row, field) for row in table]
+        if field not in _PER_RANK and len(set(values)) > 1:
+            shown = [_CHOICES[field][x] for x in values] if field in _CHOICES else values
+            raise ValueError(  # one message on every rank, whatever each one called
+                f"sequence-parallel attention: every rank must pass the same {_NAMES.get(field, field)}; "
+                f"ranks 0..{len(table) - 1} gave {shown}"
+            )
+    return table, ids, scale
 
 
 def agree(meta: Meta, group: Any, caller: str, *, like: object = None) -> list[Meta]:

@@ -24,16 +24,17 @@ ring, R = 1 plain Ulysses (no exchange, resp. no ring, at all), and one rank pla
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from ..core.options import AttentionOptions
-from .agree import check_head_chunks, make_plan
+from .agree import Plan, check_head_chunks, make_plan
 from .exchange import (
     Attend,
     HeadShare,
@@ -166,6 +167,123 @@ def hybrid_attention(
             causal=causal, valid_lens=valid_lens, segment_ids=segment_ids, softcap=softcap, sinks=sinks
         )
         return ulysses_with_plan(q, k, v, key_mask, plan, options, "auto", head_chunks)
+    return _ulysses_then_ring(
+        q,
+        k,
+        v,
+        plan,
+        groups,
+        key_mask=key_mask,
+        valid_lens=valid_lens,
+        causal=causal,
+        layout=layout,
+        softcap=softcap,
+        sinks=sinks,
+        head_chunks=head_chunks,
+    )  # (B, H, Lq_r, Dv)
+
+
+def _ulysses_then_ring(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    plan: Plan,
+    groups: HybridGroups,
+    *,
+    key_mask: Tensor | None,
+    valid_lens: Tensor | None,
+    causal: bool,
+    layout: str,
+    softcap: float | None,
+    sinks: Tensor | None,
+    head_chunks: int | None,
+) -> Tensor:
+    """:func:`hybrid_attention` on a real grid (1 < U < P): the group's all-to-alls, a chunk of heads at a
+    time, each chunk's heads attended by the ring over the groups -> (B, H, Lq_r, Dv)."""
+    u = groups.ulysses_size
+    grid = _group_view(plan, groups, k, key_mask, valid_lens)
+    ring = functools.partial(
+        _ring_over_groups,
+        plan=plan,
+        groups=groups,
+        grid=grid,
+        causal=causal,
+        layout=layout,
+        softcap=softcap,
+        sinks=sinks,
+    )
+    shares = head_split(plan.heads, plan.kv_heads, u)
+    n_g = sum(map(len, grid.rel_q))
+    dim = max(plan.dk, plan.dv)
+    counts = [head_chunks] * u if head_chunks else hybrid_head_chunks(shares, plan.batch, n_g, dim)
+    w_most = max(len(c.q) for cs in rank_chunks(shares, counts) for c in cs)
+    windows = auto_windows(plan.batch, n_g, w_most, dim, u)  # messages, not attention
+    return attend_in_chunks(
+        q,
+        k,
+        v,
+        shares,
+        (grid.rel_q, grid.rel_k),
+        groups.ulysses,
+        counts,
+        ring,
+        windows=windows,
+        split=False,
+    )  # (B, H, Lq_r, Dv)
+
+
+def _ring_over_groups(
+    x: Attend,
+    *,
+    plan: Plan,
+    groups: HybridGroups,
+    grid: _GroupView,
+    causal: bool,
+    layout: str,
+    softcap: float | None,
+    sinks: Tensor | None,
+) -> Tensor:
+    """The ring over the R groups for one chunk's heads: x.q (B, w, N_g, Dk), x.k, x.v (B, n, N_g, D) of
+    the group's tokens -> (B, w, N_g, Dv). ``sinks``: (H,) every head's, or None."""
+    ring = make_plan(
+        x.q,
+        x.k,
+        x.v,
+        causal=causal,
+        group=groups.ring,
+        layout=layout,
+        valid_lens=grid.rows,
+        key_mask=grid.keep,
+        scale=plan.scale,
+        segment_ids=grid.ids,
+        strategy="hybrid",
+        positions=(grid.q_union, grid.k_union),
+        pieces=auto_pieces(x.k),
+        softcap=softcap,
+    )
+    mine = None if sinks is None else sinks[x.first : x.first + x.q.shape[1]]  # the chunk's heads
+    return ring_with_plan(x.q, x.k, x.v, grid.keep, ring, mine)  # (B, w, N_g, Dv)
+
+
+class _GroupView(NamedTuple):
+    """This rank's Ulysses group seen as one rank of the ring: the groups' token positions and the group's
+    per-token inputs gathered over its members."""
+
+    q_union: list[Tensor]  # R tensors (N_g,): each group's query positions, ascending
+    k_union: list[Tensor]  # ... and key positions
+    rel_q: list[Tensor]  # per member: its query tokens as indices into its group's union
+    rel_k: list[Tensor]  # ... and its key tokens
+    keep: Tensor | None  # (B, N_g) the group's real keys, where some rank has padding
+    rows: Tensor | None  # valid_lens: (B,) as given, or (B, N_g) gathered from per-query (B, Lq_r)
+    ids: tuple[Tensor, Tensor] | None  # segment ids (B, N_g) of the group's queries and keys
+
+
+def _group_view(
+    plan: Plan, groups: HybridGroups, k: Tensor, key_mask: Tensor | None, valid_lens: Tensor | None
+) -> _GroupView:
+    """Gather what the ring over the groups needs from this rank's group (collectives over
+    ``groups.ulysses``: every member calls this)."""
+    u = groups.ulysses_size
     g = plan.rank // u
     members = range(g * u, (g + 1) * u)
     q_union, k_union = _unions(plan.q_pos_all, u), _unions(plan.k_pos, u)
@@ -184,36 +302,4 @@ def hybrid_attention(
             gather_tokens(plan.q_ids, rel_q, groups.ulysses),
             gather_tokens(plan.kv_ids, rel_k, groups.ulysses),
         )
-    shares = head_split(plan.heads, plan.kv_heads, u)
-    counts = (
-        [head_chunks] * u
-        if head_chunks
-        else hybrid_head_chunks(shares, plan.batch, sum(map(len, rel_q)), max(plan.dk, plan.dv))
-    )
-
-    def attend(x: Attend) -> Tensor:  # the ring over the groups, for one chunk's heads
-        ring = make_plan(
-            x.q,
-            x.k,
-            x.v,
-            causal=causal,
-            group=groups.ring,
-            layout=layout,
-            valid_lens=rows,
-            key_mask=keep,
-            scale=plan.scale,
-            segment_ids=ids,
-            strategy="hybrid",
-            positions=(q_union, k_union),
-            pieces=auto_pieces(x.k),
-            softcap=softcap,
-        )
-        mine = None if sinks is None else sinks[x.first : x.first + x.q.shape[1]]  # the chunk's heads
-        return ring_with_plan(x.q, x.k, x.v, keep, ring, mine)  # (B, w, N_g, Dv)
-
-    n_g = sum(map(len, rel_q))
-    w_most = max(len(c.q) for cs in rank_chunks(shares, counts) for c in cs)
-    windows = auto_windows(plan.batch, n_g, w_most, max(plan.dk, plan.dv), u)  # messages, not attention
-    return attend_in_chunks(
-        q, k, v, shares, (rel_q, rel_k), groups.ulysses, counts, attend, windows=windows, split=False
-    )  # (B, H, Lq_r, Dv)
+    return _GroupView(q_union, k_union, rel_q, rel_k, keep, rows, ids)

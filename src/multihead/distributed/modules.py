@@ -78,6 +78,7 @@ class ShardedAttention(OptionsAttention):
     sharded: ClassVar[bool] = True  # read by multihead.nn.seam: positions (rotary, KV cache) are per rank
 
     def why_not(self, q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions) -> Iterator[str]:
+        """Every reason this rank's shards with ``options`` cannot be served (none: they can)."""
         if options.return_weights:
             yield "return_weights=True is not supported: the full weights never exist on one rank"
 

@@ -239,101 +239,166 @@ def plan(
         raise ValueError(
             f"machine must be one of {sorted(PRESETS)} or a multihead.distributed.Machine, got {machine!r}"
         )
-    rates = PRESETS[machine] if isinstance(machine, str) else machine
     hkv = heads if kv_heads is None else kv_heads
     n = seq_len // world
-    if pieces is None:
-        pieces = max(1, min(4, n // PIECE_KEYS))
-    b = dtype_bytes
-    own = (2 * batch * heads * n * head_dim + 2 * batch * hkv * n * head_dim) * b  # q, out, k, v
-    flops_fwd = 4 * batch * heads * seq_len * seq_len * head_dim * (0.5 if causal else 1.0)
-    compute_fwd = flops_fwd / world / rates.compute
-    compute_bwd = 2.5 * compute_fwd
+    job = _Job(
+        batch=batch,
+        seq_len=seq_len,
+        tokens=n,
+        heads=heads,
+        kv_heads=hkv,
+        dim=head_dim,
+        world=world,
+        b=dtype_bytes,
+        causal=causal,
+        rates=PRESETS[machine] if isinstance(machine, str) else machine,
+        pieces=max(1, min(4, n // PIECE_KEYS)) if pieces is None else pieces,
+        head_chunks=head_chunks,
+    )
+    out = {
+        "ring": _ring_estimate(job),
+        "ulysses": _ulysses_estimate(job, phased=not training),
+        "hybrid": _hybrid_estimate(job, ulysses_size),
+    }
+    if not training:  # a forward only: nothing goes backward
+        out = {k: replace(e, sent_backward=0, seconds_backward=0.0) for k, e in out.items()}
+    return out
 
-    def ring_time(kv_bytes: int, ranks: int, fwd: float, bwd: float) -> tuple[float, float]:
+
+@dataclass(frozen=True)
+class _Job:
+    """What :func:`plan` was asked, resolved: the shapes (N = ``tokens`` per rank), the rates, the pieces."""
+
+    batch: int
+    seq_len: int
+    tokens: int
+    heads: int
+    kv_heads: int
+    dim: int
+    world: int
+    b: int
+    causal: bool
+    rates: Machine
+    pieces: int
+    head_chunks: int | None
+
+    @property
+    def own(self) -> int:
+        """Bytes of this rank's q, out (H heads) and k, v (Hkv heads)."""
+        return (2 * self.heads + 2 * self.kv_heads) * self.batch * self.tokens * self.dim * self.b
+
+    @property
+    def compute(self) -> tuple[float, float]:
+        """Seconds of one rank's 1/P of the attention: (forward, backward = 2.5x forward)."""
+        flops = 4 * self.batch * self.heads * self.seq_len**2 * self.dim * (0.5 if self.causal else 1.0)
+        fwd = flops / self.world / self.rates.compute
+        return fwd, 2.5 * fwd
+
+    def ring_time(self, kv_bytes: int, ranks: int, fwd: float, bwd: float) -> tuple[float, float]:
+        """(forward, backward) seconds of a ring of ``ranks`` steps, each step's compute overlapping the
+        next K/V shard's transfer (``kv_bytes``; backward: K/V and dK/dV)."""
         if ranks == 1:
             return fwd, bwd
-        step = kv_bytes / rates.link + rates.latency
+        step = kv_bytes / self.rates.link + self.rates.latency
         return (
             fwd / ranks + (ranks - 1) * max(fwd / ranks, step),
             bwd / ranks + (ranks - 1) * max(bwd / ranks, 2 * step),
         )
 
-    out: dict[str, Estimate] = {}
+
+def _ring_estimate(job: _Job) -> Estimate:
+    """The ring over all P ranks."""
     extra, sf, sb = _ring(
-        batch=batch, tokens=n, heads=heads, kv_heads=hkv, dim=head_dim, ranks=world, b=b, pieces=pieces
+        batch=job.batch,
+        tokens=job.tokens,
+        heads=job.heads,
+        kv_heads=job.kv_heads,
+        dim=job.dim,
+        ranks=job.world,
+        b=job.b,
+        pieces=job.pieces,
     )
-    kv_shard = 2 * batch * hkv * n * head_dim * b
-    tf, tb = ring_time(kv_shard, world, compute_fwd, compute_bwd)
-    out["ring"] = Estimate("ring", 1, own + extra, sf, sb, tf, tb)
+    kv_shard = 2 * job.batch * job.kv_heads * job.tokens * job.dim * job.b
+    tf, tb = job.ring_time(kv_shard, job.world, *job.compute)
+    return Estimate("ring", 1, job.own + extra, sf, sb, tf, tb)
 
-    shares = head_split(heads, hkv, world)
+
+def _ulysses_estimate(job: _Job, *, phased: bool) -> Estimate:
+    """Ulysses over all P ranks (``phased``: an inference forward, in K/V phases where it runs)."""
+    shares = head_split(job.heads, job.kv_heads, job.world)
     most = max(x.heads for x in shares)
-    count = head_chunks or auto_head_chunks(batch, seq_len, most, head_dim)
+    count = job.head_chunks or auto_head_chunks(job.batch, job.seq_len, most, job.dim)
     extra, sf, sb, share, _, calls = _ulysses(
-        batch=batch,
-        tokens=n,
-        heads=heads,
-        kv_heads=hkv,
-        dim=head_dim,
-        ranks=world,
-        b=b,
-        counts=[count] * world,
-        split=not causal or dtype_bytes >= 4,  # causal windows one at a time: the CPU's fused kernel
-        phased=not training,
-        causal=causal,
+        batch=job.batch,
+        tokens=job.tokens,
+        heads=job.heads,
+        kv_heads=job.kv_heads,
+        dim=job.dim,
+        ranks=job.world,
+        b=job.b,
+        counts=[count] * job.world,
+        split=not job.causal or job.b >= 4,  # causal windows one at a time: the CPU's fused kernel
+        phased=phased,
+        causal=job.causal,
     )
-    heavy = share * world  # the rank with the most heads sets the pace
-    msgs = calls * (world - 1) * rates.latency  # every all-to-all: a message to each other rank
-    tf = compute_fwd * heavy + sf / rates.link + msgs
-    tb = compute_bwd * heavy + sb / rates.link + msgs
-    out["ulysses"] = Estimate("ulysses", world, own + extra, sf, sb, tf, tb)
+    compute_fwd, compute_bwd = job.compute
+    heavy = share * job.world  # the rank with the most heads sets the pace
+    msgs = calls * (job.world - 1) * job.rates.latency  # every all-to-all: a message to each other rank
+    tf = compute_fwd * heavy + sf / job.rates.link + msgs
+    tb = compute_bwd * heavy + sb / job.rates.link + msgs
+    return Estimate("ulysses", job.world, job.own + extra, sf, sb, tf, tb)
 
-    u = choose_ulysses_size(heads, hkv, world) if ulysses_size is None else ulysses_size
-    r = world // u
-    shares = head_split(heads, hkv, u)
-    counts = [head_chunks] * u if head_chunks else hybrid_head_chunks(shares, batch, n * u, head_dim)
+
+def _hybrid_estimate(job: _Job, ulysses_size: int | None) -> Estimate:
+    """Ulysses inside groups of U ranks, a ring of R = P / U over the groups."""
+    hkv, n, b = job.kv_heads, job.tokens, job.b
+    u = choose_ulysses_size(job.heads, hkv, job.world) if ulysses_size is None else ulysses_size
+    r = job.world // u
+    shares = head_split(job.heads, hkv, u)
+    counts = (
+        [job.head_chunks] * u if job.head_chunks else hybrid_head_chunks(shares, job.batch, n * u, job.dim)
+    )
     extra_u, uf, ub, share, chunks, calls = _ulysses(
-        batch=batch, tokens=n, heads=heads, kv_heads=hkv, dim=head_dim, ranks=u, b=b, counts=counts
+        batch=job.batch, tokens=n, heads=job.heads, kv_heads=hkv, dim=job.dim, ranks=u, b=b, counts=counts
     )
     # the ring of each chunk over the R groups' N_g = n * u tokens: its slots go around once per chunk
-    whole_g = batch * n * u * head_dim * b  # one head of a group's tokens
+    whole_g = job.batch * n * u * job.dim * b  # one head of a group's tokens
     rf = rb = 0
     during = []  # per chunk: its slot, q and the ring's running output, the ring's buffers
     for c in chunks:
         e, f, bw = _ring(
-            batch=batch,
+            batch=job.batch,
             tokens=n * u,
             heads=len(c.q),
             kv_heads=len(c.kv),
-            dim=head_dim,
+            dim=job.dim,
             ranks=r,
             b=b,
-            pieces=pieces,
+            pieces=job.pieces,
         )
         rf, rb = rf + f, rb + bw
         during.append((2 * len(c.kv) + 2 * len(c.q)) * whole_g + e)
-    kv_group = 2 * batch * len(shares[0].kv) * n * u * head_dim * b
+    kv_group = 2 * job.batch * len(shares[0].kv) * n * u * job.dim * b
+    compute_fwd, compute_bwd = job.compute
     heavy = share * u
-    rtf, rtb = ring_time(kv_group, r, compute_fwd * heavy, compute_bwd * heavy)
-    msgs = calls * (u - 1) * rates.latency
+    rtf, rtb = job.ring_time(kv_group, r, compute_fwd * heavy, compute_bwd * heavy)
+    msgs = calls * (u - 1) * job.rates.latency
     if u == 1:  # groups of one: the plain ring (no exchange, no chunks)
         extra_h, rf, rb = _ring(
-            batch=batch, tokens=n, heads=heads, kv_heads=hkv, dim=head_dim, ranks=r, b=b, pieces=pieces
+            batch=job.batch,
+            tokens=n,
+            heads=job.heads,
+            kv_heads=hkv,
+            dim=job.dim,
+            ranks=r,
+            b=b,
+            pieces=job.pieces,
         )
     elif r == 1:  # one group: plain Ulysses, no ring
         extra_h = extra_u
     else:
         extra_h = max([extra_u, *during])
-    out["hybrid"] = Estimate(
-        "hybrid",
-        u,
-        own + extra_h,
-        uf + rf,
-        ub + rb,
-        rtf + uf / rates.link + msgs,
-        rtb + ub / rates.link + msgs,
+    link = job.rates.link
+    return Estimate(
+        "hybrid", u, job.own + extra_h, uf + rf, ub + rb, rtf + uf / link + msgs, rtb + ub / link + msgs
     )
-    if not training:  # a forward only: nothing goes backward
-        out = {k: replace(e, sent_backward=0, seconds_backward=0.0) for k, e in out.items()}
-    return out

@@ -6,7 +6,7 @@ the query/key-value heads rank r attends for, w the query heads of one chunk, Dk
 
 Before: rank r holds every head of its tokens, q (B, H, Lq_r, Dk). An all-to-all sends rank s the heads
 it owns of every token this rank holds; after it rank r holds its heads of *every* token, in sequence
-order. :func:`multihead.attention_with` computes exact attention over the whole sequence there (any
+order. :func:`~multihead.core.attention.attention_with` computes exact attention over the whole sequence there (any
 backend; causal, padding, packed ``segment_ids``, mask and bias functions of global positions, softcap
 and sinks all as in one process), and an all-to-all returns every rank its tokens with all heads.
 Backward is the same exchanges reversed.
@@ -20,7 +20,7 @@ in windows of positions (:func:`~.exchange.auto_windows`): the chunk's K/V arriv
 each window of queries arrives, is attended against them and goes home before the next one. A window
 [a, b) runs as the ring's blocks on a group of one (:class:`_WindowPlan`: with ``causal`` the keys
 before it as a maskless rectangle and its diagonal as a triangle, merged by log-sum-exp); with mask or
-bias functions, dropout or a named backend, as :func:`multihead.attention_with` on the keys it sees.
+bias functions, dropout or a named backend, as :func:`~multihead.core.attention.attention_with` on the keys it sees.
 
 Without autograd (no rank records a backward) the windows run in K/V *phases* instead
 (:mod:`.phased`): half the chunk's K/V head at a time, each window of queries attended against one half
@@ -32,7 +32,7 @@ when its query heads cover whole groups of G (always when Hkv % P == 0) it gets 
 once; when a group is cut between ranks its key/value head goes to each of them (sent twice), and when
 the cut leaves unequal parts of groups on one rank, its K/V are repeated per query head (Hkv_r = H_r):
 the cost is the extra bytes sent, (H_r - Hkv_r) * L * (Dk + Dv) per rank, documented in
-docs/distributed.md. On a group of one rank it is :func:`multihead.attention_with`, no exchange at all.
+docs/distributed.md. On a group of one rank it is :func:`~multihead.core.attention.attention_with`, no exchange at all.
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ def attend_alone(
     layout: str,
     backend: str,
 ) -> Tensor:
-    """A group of one rank: :func:`multihead.attention_with` on q (B, H, L, Dk), k (B, Hkv, L, Dk),
+    """A group of one rank: :func:`~multihead.core.attention.attention_with` on q (B, H, L, Dk), k (B, Hkv, L, Dk),
     v (B, Hkv, L, Dv), ``key_mask`` (B, L) joined to ``options.mask`` -> (B, H, L, Dv)."""
     check_layout(layout)
     if key_mask is not None:

@@ -73,7 +73,7 @@ class MultiHeadAttention(nn.Module):
         out_dim: O, output features (default E).
         bias: biases on the input and output projections.
         dropout: dropout on the attention weights, in training mode only.
-        rotary: rotary position embeddings (:class:`~multihead.rotary.RotaryEmbedding`) on queries and
+        rotary: rotary position embeddings (:class:`~multihead.nn.rotary.RotaryEmbedding`) on queries and
             keys; positions are bottom-right aligned like ``causal`` and continue a ``cache``; with
             ``segment_ids`` they restart at 0 in each packed sequence. Needs an even head_dim; adds no
             parameters.

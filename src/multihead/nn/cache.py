@@ -17,12 +17,12 @@ One class serves every level of a model:
   and replayed for every token;
 * a **static** cache (``static=True``) belongs to a cross-attention: the keys/values of the source are
   computed on the first call and reused unchanged on every later step;
-* a cache may also hold named **children** (:meth:`child`): a decoder stack keeps one child per layer,
+* a cache may also hold named **children** (:meth:`~KVCache.child`): a decoder stack keeps one child per layer,
   a decoder layer one child per attention (``"self_attn"``, ``"cross_attn"``), so a single
   ``KVCache()`` passed to ``decoder(x_t, memory, cache=cache)`` serves the whole stack. Dynamic children
   inherit ``max_len``.
 
-Beam search reorders every cached row with :meth:`reorder`; :meth:`reset` forgets the positions and keeps
+Beam search reorders every cached row with :meth:`~KVCache.reorder`; :meth:`~KVCache.reset` forgets the positions and keeps
 the storage for the next batch. The cache holds tensors only; it never imports the attention modules
 (data flows one way: attention -> cache).
 """
@@ -53,7 +53,7 @@ class KVCache:
         max_len: for a dynamic cache, the most positions it will ever hold: the storage
             (B, Hkv, max_len, D) is allocated once, at the first :meth:`update`, and an update past it
             raises a ``ValueError``. ``None`` (default): the storage starts at max(Lnew, 16) positions
-            and doubles whenever it is full. Dynamic children (:meth:`child`) inherit it.
+            and doubles whenever it is full. Dynamic children (:meth:`~KVCache.child`) inherit it.
         fixed_shape: with ``max_len``, every :meth:`update` returns the whole storage (B, Hkv, max_len, D)
             and the filled length stays on the storage's device (:meth:`next_positions`); a
             :class:`~multihead.MultiHeadAttention` then masks the positions not yet written itself. Every
@@ -69,7 +69,7 @@ class KVCache:
             y_t = mha(x[:, t : t + 1], cache=cache, causal=True)   # (B, 1, E); len(cache) == t + 1
 
     With ``causal=True`` the bottom-right rule makes the new query see every cached key and itself.
-    Call :meth:`reset` (or make a new cache) before decoding another batch.
+    Call :meth:`~KVCache.reset` (or make a new cache) before decoding another batch.
     """
 
     def __init__(
@@ -276,7 +276,7 @@ class KVCache:
             )
 
     def _allocate_for(self, k: Tensor, v: Tensor) -> None:
-        """First update (or the first after :meth:`reset`): reuse the storage if it fits, else allocate."""
+        """First update (or the first after :meth:`~KVCache.reset`): reuse the storage if it fits, else allocate."""
         ok, ov = self._k, self._v
         if (
             ok is not None

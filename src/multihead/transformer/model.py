@@ -32,8 +32,9 @@ class Transformer(nn.Module):
 
     Args:
         src_vocab, tgt_vocab: vocabulary sizes.
-        d_model, num_heads, num_encoder_layers, num_decoder_layers, d_ff, dropout, activation,
-            norm_first, kv_heads: as in the layers (paper defaults: 512, 8, 6, 6, 2048, 0.1, relu, post-norm).
+        d_model, num_heads, d_ff, dropout, activation, norm_first, kv_heads: as in the layers (paper
+            defaults: 512, 8, 2048, 0.1, relu, post-norm).
+        num_encoder_layers, num_decoder_layers: layers in each stack (paper defaults: 6, 6).
         rotary: rotary embeddings in every self-attention *instead of* the sinusoidal encoding.
         max_len: the longest sequence the positional encoding covers.
         tie_embeddings: share the target embedding matrix with the output projection.

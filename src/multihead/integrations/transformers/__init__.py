@@ -6,7 +6,9 @@ D head dim, E model width.
 :func:`register` adds ``"multihead"`` to transformers' ``AttentionInterface`` (the attention function,
 :func:`attention_forward`) and to its ``AttentionMaskInterface`` (the mask function,
 :func:`mask_interface`: without one, transformers builds no mask at all for an unknown implementation,
-and causal masking and padding are silently lost). Then::
+and causal masking and padding are silently lost). Importing this module calls it, so after
+``import multihead.integrations.transformers`` (``register()`` stays: idempotent, and ``register(name)``
+adds another name)::
 
     model = AutoModelForCausalLM.from_config(config, attn_implementation="multihead")
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="multihead")
@@ -54,6 +56,8 @@ from .loading import from_pretrained
 from .mask import mask_interface
 from .models import check_model, unsupported
 from .registry import is_registered, register
+
+register()  # "multihead" is an attn_implementation from the moment this module is imported
 
 __all__ = [
     "ARCHITECTURES",

@@ -185,8 +185,9 @@ class TransformersFamily:
                     raise ValueError(
                         f"{name!r} runs attn_implementation={impl!r}, which bypasses multihead: capture, "
                         f"masked and importance see only multihead attention. Run "
-                        f"multihead.integrations.transformers.register() and "
-                        f"model.set_attn_implementation('multihead') first"
+                        f"model.set_attn_implementation('multihead') first, or load the model with "
+                        f"attn_implementation='multihead' (`import multihead.integrations.transformers` "
+                        f"registers that name)"
                     )
 
     def reshape(

@@ -41,7 +41,6 @@ from ..checks import is_tracing
 from ..masks import attn_mask as additive
 from ..masks import causal, key_prefix, materialize, to_bias
 from ..segments import packed_runs
-from . import causal_tiles
 from ._common import DENSE_LIMIT, dense_refusal, kv_for_cpu_kernel, zero_dead_rows
 from .base import AttentionCall, Deferral
 from .math import serves_short, short_attention
@@ -194,12 +193,9 @@ def _kernel(
     grouped K/V as this torch's CPU kernel takes them. On CUDA the kernel is torch's own choice, within
     whatever ``torch.nn.attention.sdpa_kernel`` the caller set: torch orders its kernels per GPU, and a
     fixed order of ours (flash first, until this was measured on an H200) cost up to 1.5x there. Many short
-    rows on the CPU (:func:`~multihead.core.backends.math.serves_short`) run as two matmuls instead, and long
-    causal calls without autograd as square tiles (:mod:`~multihead.core.backends.causal_tiles`)."""
+    rows on the CPU (:func:`~multihead.core.backends.math.serves_short`) run as two matmuls instead."""
     if attn_mask is None and not dropout and serves_short(q, k, is_causal):
         return short_attention(q, k, v, is_causal, scale)  # (B, H, Lq, Dv)
-    if is_causal and attn_mask is None and not dropout and causal_tiles.serves(q, k, v):
-        return causal_tiles.tiled_causal(q, k, v, scale)  # (B, H, L, Dv): square tiles, no wasted blocks
     k, v = kv_for_cpu_kernel(q, k, v)  # repeated to H heads on CPU before torch 2.9 only
     return _fused(q, k, v, attn_mask, is_causal, dropout, scale)
 

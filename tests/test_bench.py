@@ -441,3 +441,15 @@ def test_lens_reports_are_their_json(module, stem):
     results = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
     res = json.loads((results / f"{stem}.json").read_text())
     assert (results / f"{stem}.md").read_text() == report.markdown(res)
+
+
+def test_cpu_table_in_the_docs_is_the_committed_reports():
+    """docs/performance.md's per-CPU table is what benchmarks/cpu_table.py makes of the committed reports,
+    with a column for each CPU and every target of the reports as a row."""
+    table = _bench_module("cpu_table")
+    text = table.table()
+    assert text in table.DOC.read_text()
+    header = text.splitlines()[0]
+    assert all(column in header for column in table.COLUMNS)
+    rows, cells, _ = table.collect()
+    assert rows and all(cells[c] for c in table.COLUMNS)

@@ -25,8 +25,8 @@ LITERAL = re.compile(r"(?<=\S)::$", flags=re.M)  # reST's "text::" before an ind
 OTHER_LIBRARIES = ("torch", "transformers", "keras", "numpy", "jax", "tensorflow", "safetensors", "onnx")
 OTHER_LIBRARIES += ("onnxruntime", "matplotlib", "typing", "collections", "dataclasses", "functools", "math")
 OTHER_LIBRARIES += tuple(dir(builtins))  # ImportError, dict, ...
-# names another branch is adding (multihead.lens): shown as code until they exist, then resolved as links
-PENDING = ("multihead.lens",)
+# names another branch is adding: shown as code until they exist, then resolved as links (none now)
+PENDING: tuple[str, ...] = ()
 
 
 class SphinxRoles(griffe.Extension):

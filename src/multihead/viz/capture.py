@@ -38,6 +38,11 @@ class Capture:
     def __len__(self) -> int:
         return len(self.records)
 
+    def add(self, record: AttentionRecord) -> None:
+        """Append one call's record (a Python method, not ``records.append``: torch.compile before 2.9 cannot
+        call a builtin method held as an attribute)."""
+        self.records.append(record)
+
     def names(self, kind: str | None = None) -> list[str]:
         """Modules that ran (optionally of one ``kind``), in the order they first ran."""
         return list(dict.fromkeys(r.name for r in self.records if kind is None or r.kind == kind))
@@ -112,7 +117,7 @@ def capture(model: nn.Module) -> Iterator[Capture]:
     """
     check_routed(model)
     out = Capture()
-    with seam.inspecting(_Recorder(model, out.records.append, own=True)):
+    with seam.inspecting(_Recorder(model, out.add, own=True)):
         yield out
 
 

@@ -29,20 +29,10 @@ from multihead.core.options import AttentionOptions
 LONG = os.environ.get("MULTIHEAD_FUZZ") == "long"
 DEVICE = torch.device(os.environ.get("MULTIHEAD_FUZZ_DEVICE", "cpu"))  # a GPU run: MULTIHEAD_FUZZ_DEVICE=cuda
 LONG_FACTOR = 25  # examples of the long run per example of the fixed-seed one
-settings.register_profile(
-    "multihead-fuzz",
-    derandomize=True,
-    deadline=None,
-    database=None,
-    suppress_health_check=list(HealthCheck),
-)
-settings.register_profile(
-    "multihead-fuzz-long",
-    derandomize=False,
-    deadline=None,
-    database=None,
-    suppress_health_check=list(HealthCheck),
-)
+for _name, _fixed in (("multihead-fuzz", True), ("multihead-fuzz-long", False)):  # fixed seeds / random ones
+    settings.register_profile(
+        _name, derandomize=_fixed, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+    )
 PROFILE = settings.get_profile("multihead-fuzz-long" if LONG else "multihead-fuzz")
 BACKENDS = ("auto", *backends.available())
 HANG_S = 60  # one example longer than this is a hang

@@ -273,6 +273,71 @@ def test_patching_batched_equals_one_forward_per_head(point, per_position):
     torch.testing.assert_close(got, want.float(), check_dtype=False)
 
 
+def _last_token_sum(out):
+    return out[:, -1, :3].sum(-1)  # (B,)
+
+
+def test_patching_runs_the_layers_before_a_patch_once_and_matches_one_forward_per_head():
+    torch.manual_seed(0)
+    model = mh.TransformerEncoder(16, 4, 32, num_layers=3, dropout=0.0, dtype=F64).eval()
+    clean, corrupted = torch.randn(2, 4, 16, dtype=F64), torch.randn(2, 4, 16, dtype=F64)
+    seen = {i: [] for i in range(3)}  # the batch of each layer's output
+    handles = [
+        layer.register_forward_hook(lambda mod, args, out, i=i: seen[i].append(out.shape[0]))
+        for i, layer in enumerate(model.layers)
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        shared = lens.patch_heads(model, clean, corrupted, _last_token_sum, chunk=4)  # 4: one layer a forward
+    for handle in handles:
+        handle.remove()
+    # clean run, corrupted run, then one forward per layer's 4 heads (4 copies of B = 2): layer 0's forward
+    # shares nothing; layer 1's runs layer 0 once and carries the unpatched check copy (5 copies); layer 2's
+    # runs layers 0 and 1 once
+    assert seen == {0: [2, 2, 8, 2, 2], 1: [2, 2, 8, 10, 2], 2: [2, 2, 8, 10, 8]}
+    single = lens.patch_heads(model, clean, corrupted, lambda out: _last_token_sum(out).mean())
+    torch.testing.assert_close(shared, single)
+
+
+class _InputSkips(nn.Module):
+    """A stack whose every layer also adds the model's input: the input's batch reaches each layer from outside
+    its arguments, so the layers before a patch cannot simply be run once and repeated."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            mh.TransformerEncoderLayer(16, 4, 32, dropout=0.0, dtype=F64) for _ in range(3)
+        )
+
+    def forward(self, x):
+        h = x
+        for layer in self.layers:
+            h = layer(h) + x
+        return h
+
+
+def test_patching_a_stack_it_cannot_share_warns_once_and_runs_every_copy_in_full():
+    torch.manual_seed(0)
+    model = _InputSkips().eval()
+    clean, corrupted = torch.randn(2, 4, 16, dtype=F64), torch.randn(2, 4, 16, dtype=F64)
+    with pytest.warns(UserWarning, match="every copy now runs the whole model") as said:
+        batched = lens.patch_heads(model, clean, corrupted, _last_token_sum, chunk=4)
+    assert len(said) == 1
+    single = lens.patch_heads(model, clean, corrupted, lambda out: _last_token_sum(out).mean())
+    torch.testing.assert_close(batched, single)
+
+
+def test_the_shared_prefix_check_holds_to_working_precision_only():
+    from multihead.lens.share import Prefix
+
+    base = torch.tensor([5.0, -3.0])
+    assert Prefix(nn.Module(), []).verify(base + 1e-5, base)
+    prefix = Prefix(nn.Module(), [])
+    with pytest.warns(UserWarning, match="not the corrupted run's"):
+        assert not prefix.verify(base + 0.1, base)
+    assert not prefix.on
+
+
 def test_a_converted_torch_model_and_the_d2l_drop_in():
     from multihead.compat import d2l
     from multihead.compat.torch import convert

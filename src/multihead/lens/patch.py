@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -16,6 +17,7 @@ from torch import Tensor, nn
 from ..heads.naming import attention_modules
 from ..progress import Progress
 from .cache import cache
+from .share import Prefix, repeat_batch, shared_run
 from .sites import Context, ModuleSelection, check_points, run, select, tapping
 
 TOKENS_PER_FORWARD = 1024
@@ -50,7 +52,10 @@ def patch_heads(
         metric: ``metric(output)`` -> (B,) per example, or a scalar. A per-example metric lets patches share
             a forward: the corrupted batch is repeated C times, copy c patching the c-th head, and the metric is
             called on each copy's rows of the output (tensors whose dim 0 is C*B are cut; 0-dim ones become None).
-            A scalar metric costs one forward per patch.
+            A scalar metric costs one forward per patch. Where the patched modules sit in a stack of layers
+            (an ``nn.ModuleList``), the layers before a forward's first patch run once, on the corrupted batch,
+            and their output is repeated for the copies (checked against the corrupted run on the first such
+            forward; switched off, with a warning, on a model where that does not reproduce it).
         point: ``"z"`` (default), ``"q"``, ``"k"``/``"v"`` (by key/value head), ``"scores"``, ``"pattern"`` or
             ``"result"``.
         per_position: patch one position at a time too (queries; keys for k/v).
@@ -68,16 +73,17 @@ def patch_heads(
     with torch.no_grad():
         sources = _clean_sources(model, clean, names, point)
         found = attention_modules(model)  # checked by the clean run's cache; reused by every patched run
-        per_example = _per_example(metric(run(model, corrupted)), batch)
+        base = _per_example(metric(run(model, corrupted)), batch)
+        sweep = _Sweep(names, sources, point, metric, batch, base, Prefix(model, names))
         patches, shape = _layout(names, sources, per_position)
-        size = _chunk_size(chunk, per_example, batch, _length(corrupted), len(patches))
+        size = _chunk_size(chunk, base is not None, batch, _length(corrupted), len(patches))
         effects = torch.full(shape, float("nan"))
         forwards = math.ceil(len(patches) / size)
         show = forwards >= 8 if progress is None else progress
         with Progress(len(patches), f"patch {point}", enabled=show) as bar:
             for start in range(0, len(patches), size):
                 part = patches[start : start + size]
-                values = _patched(model, found, corrupted, part, names, sources, point, metric, batch)
+                values = _patched(model, found, corrupted, part, sweep)
                 for patch, value in zip(part, values):
                     effects[
                         (patch.module, patch.head) + (() if patch.position is None else (patch.position,))
@@ -116,32 +122,57 @@ def _clean_sources(model: nn.Module, clean: object, names: list[str], point: str
     return sources
 
 
+@dataclass(frozen=True)
+class _Sweep:
+    """What every forward of one sweep shares: the patched modules, their clean ``point``, the metric, the
+    corrupted batch ``batch`` and its per-example metric ``base`` (None for a scalar metric), the shared prefix."""
+
+    names: list[str]
+    sources: Mapping[str, Tensor]
+    point: str
+    metric: Callable[[Any], Tensor | float]
+    batch: int
+    base: Tensor | None
+    prefix: Prefix
+
+
 def _patched(
-    model: nn.Module,
-    found: Mapping[str, nn.Module],
-    corrupted: object,
-    part: list[Patch],
-    names: list[str],
-    sources: Mapping[str, Tensor],
-    point: str,
-    metric: Callable[[Any], Tensor | float],
-    batch: int,
+    model: nn.Module, found: Mapping[str, nn.Module], corrupted: object, part: list[Patch], sweep: _Sweep
 ) -> list[float]:
     """One forward of ``len(part)`` copies of the corrupted batch, copy c patched by ``part[c]``; each copy's
-    metric, averaged over its examples."""
+    metric, averaged over its examples. The layers before the first patch run once when they can
+    (:class:`~multihead.lens.share.Prefix`)."""
     copies = len(part)
+    layer = sweep.prefix.layer_for(part[0].module) if copies > 1 and sweep.base is not None else None
+    if layer is not None:
+        check = not sweep.prefix.checked  # the first shared forward carries one unpatched copy
+        total = copies + check
+        with tapping(model, _sites(part, total, sweep), found=found):
+            out = shared_run(sweep.prefix, layer, sweep.batch, total, lambda: run(model, corrupted))
+        if out is not None:
+            values = [_copy_metric(sweep, out, c, total) for c in range(total)]
+            if not check or sweep.prefix.verify(values[-1], sweep.base):
+                return [float(v.mean()) for v in values[:copies]]
+    inputs = corrupted if copies == 1 else repeat_batch(corrupted, sweep.batch, copies)
+    with tapping(model, _sites(part, copies, sweep), found=found):
+        out = run(model, inputs)
+    return [float(_copy_metric(sweep, out, c, copies).mean()) for c in range(copies)]
+
+
+def _sites(part: list[Patch], copies: int, sweep: _Sweep) -> dict[str, dict[str, Callable[..., Tensor]]]:
+    """The handlers of one forward: each patched module's ``point`` written into the copies patching it."""
     sites = {}
     for i in sorted({p.module for p in part}):
         mine = [(c, p) for c, p in enumerate(part) if p.module == i]
-        sites[names[i]] = {point: _patcher(sources[names[i]], mine, copies, batch)}
-    inputs = corrupted if copies == 1 else _repeat(corrupted, copies, batch)
-    with tapping(model, sites, found=found):
-        out = run(model, inputs)
-    if copies == 1:
-        return [float(torch.as_tensor(metric(out)).float().mean())]
-    return [
-        float(torch.as_tensor(metric(_rows(out, c, copies, batch))).float().mean()) for c in range(copies)
-    ]
+        name = sweep.names[i]
+        sites[name] = {sweep.point: _patcher(sweep.sources[name], mine, copies, sweep.batch)}
+    return sites
+
+
+def _copy_metric(sweep: _Sweep, out: Any, copy: int, copies: int) -> Tensor:
+    """The metric of copy ``copy``'s rows of a forward of ``copies`` copies, as a float tensor."""
+    rows = out if copies == 1 else _rows(out, copy, copies, sweep.batch)
+    return torch.as_tensor(sweep.metric(rows)).float()
 
 
 def _patcher(source: Tensor, mine: list[tuple[int, Patch]], copies: int, batch: int) -> Callable[..., Tensor]:
@@ -190,13 +221,13 @@ def _length(inputs: object) -> int:
     return max((t.shape[1] for t in _tensors(inputs) if t.dim() >= 2), default=1)
 
 
-def _per_example(value: Tensor | float, batch: int) -> bool:
-    """Whether the metric is per example ((B,)) or a scalar; anything else refused."""
+def _per_example(value: Tensor | float, batch: int) -> Tensor | None:
+    """The metric's values (B,) when it is per example, None when it is a scalar; anything else refused."""
     value = torch.as_tensor(value)
     if value.dim() == 1 and value.shape[0] == batch:
-        return True
+        return value.detach().float()
     if value.numel() == 1:
-        return False
+        return None
     raise ValueError(
         f"metric must return a scalar or one value per example ({batch},), got shape {tuple(value.shape)}"
     )
@@ -210,21 +241,6 @@ def _chunk_size(chunk: int | None, per_example: bool, batch: int, length: int, t
     if not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk must be a positive int (copies of the batch per forward), got {chunk!r}")
     return min(chunk, max(1, total))
-
-
-def _repeat(inputs: object, copies: int, batch: int) -> object:
-    """The inputs with every batch tensor repeated ``copies`` times along dim 0 (copy c: rows c*B .. c*B+B-1)."""
-
-    def rep(v: object) -> object:
-        if isinstance(v, Tensor) and v.dim() >= 1 and v.shape[0] == batch:
-            return v.repeat(copies, *([1] * (v.dim() - 1)))  # (C*B, ...)
-        return v
-
-    if isinstance(inputs, Mapping):
-        return {k: rep(v) for k, v in inputs.items()}
-    if isinstance(inputs, tuple):
-        return tuple(rep(v) for v in inputs)
-    return rep(inputs)
 
 
 def _rows(out: Any, copy: int, copies: int, batch: int) -> Any:

@@ -57,6 +57,10 @@ def logit_attribution(model: nn.Module, inputs: object, target: Tensor, *, posit
         :class:`Attribution` with ``heads`` (N, H, B) and ``rest`` (B,), where ``heads.sum((0, 1)) + rest`` is
         the run's target logit. Modules with fewer heads than others are padded with 0.
     """
+    if not isinstance(position, int) or isinstance(position, bool):
+        raise TypeError(
+            f"position must be an int (a query position; -1: the last), got {type(position).__name__}"
+        )
     unembed = _unembedding(model)
     width = unembed.weight.shape[1]
     with torch.no_grad():

@@ -223,6 +223,11 @@ def _length(inputs: object) -> int:
 
 def _per_example(value: Tensor | float, batch: int) -> Tensor | None:
     """The metric's values (B,) when it is per example, None when it is a scalar; anything else refused."""
+    if not isinstance(value, (Tensor, float, int)):
+        raise TypeError(
+            f"metric must return a tensor (one value per example ({batch},), or a scalar) or a number, "
+            f"got {type(value).__name__}"
+        )
     value = torch.as_tensor(value)
     if value.dim() == 1 and value.shape[0] == batch:
         return value.detach().float()

@@ -53,6 +53,10 @@ ModuleSelection = Iterable[str] | Callable[[str], bool] | None
 
 def check_points(points: Iterable[str] | str, *, argument: str = "points") -> tuple[str, ...]:
     """``points`` as a tuple of known points (a single string is one point); unknown ones refused by name."""
+    if not isinstance(points, (str, Iterable)):
+        raise TypeError(
+            f"{argument} must be a point name or names from {POINTS}, got {type(points).__name__}"
+        )
     chosen = (points,) if isinstance(points, str) else tuple(points)
     for point in chosen:
         if point not in POINTS:
@@ -76,6 +80,10 @@ def select(model: nn.Module, modules: ModuleSelection, *, argument: str = "modul
         return [name for name in found if modules(name)]
     if isinstance(modules, str):
         modules = [modules]
+    if not isinstance(modules, Iterable):
+        raise TypeError(
+            f"{argument} must be module names, a predicate on the name, or None (all), got {type(modules).__name__}"
+        )
     names = list(modules)
     for name in names:
         check_name(found, name, argument=argument)
@@ -156,11 +164,18 @@ class Tap(seam.Inspector):
     def _apply(self, module: nn.Module, point: str, tensor: Tensor, call: int) -> Tensor | None:
         ctx = Context(self.names[module], point, module, call)
         new = self.handlers[module][point](tensor, ctx)
-        if new is not None and (not isinstance(new, Tensor) or new.shape != tensor.shape):
-            got = tuple(new.shape) if isinstance(new, Tensor) else type(new).__name__
+        if new is None:
+            return None
+        if not isinstance(new, Tensor):
+            raise TypeError(
+                f"handlers[({ctx.name!r}, {point!r})] returned {type(new).__name__}; it must return a tensor of "
+                f"shape {tuple(tensor.shape)} and dtype {tensor.dtype}, or None to leave the point as it is"
+            )
+        if new.shape != tensor.shape or new.dtype != tensor.dtype or new.device != tensor.device:
             raise ValueError(
-                f"the handler of ({ctx.name!r}, {point!r}) returned {got}; expected a tensor of shape "
-                f"{tuple(tensor.shape)} (or None to leave it)"
+                f"handlers[({ctx.name!r}, {point!r})] returned a {new.dtype} tensor of shape {tuple(new.shape)} on "
+                f"{new.device}; it must keep the shape {tuple(tensor.shape)}, dtype {tensor.dtype} and device "
+                f"{tensor.device} of the tensor it replaces (convert with .to(tensor.dtype))"
             )
         return new
 

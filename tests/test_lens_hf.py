@@ -30,6 +30,8 @@ FAMILIES = {
     "gpt_oss (sinks)": (T.GptOssConfig, {}, T.AutoModelForCausalLM),
     "gpt2 (Conv1D)": (T.GPT2Config, {}, T.AutoModelForCausalLM),
     "bert (encoder)": (T.BertConfig, {}, T.AutoModel),
+    "gpt_neox (output projection 'dense')": (T.GPTNeoXConfig, {}, T.AutoModelForCausalLM),
+    "camembert (a BERT copy: the parent's output.dense)": (T.CamembertConfig, {}, T.AutoModel),
 }
 
 
@@ -200,3 +202,12 @@ def test_hf_bad_requests_are_refused_by_name():
         with pytest.raises(ValueError, match="'model.layers.0.self_attn'"):
             with lens.cache(llama, points="z", modules=["model.layers.0"]):
                 pass
+
+
+def test_attribution_refuses_a_head_whose_result_is_not_in_the_stream_the_final_norm_reads():
+    # ELECTRA's generator head: a dense layer (hidden 32 -> embedding 128) before the final LayerNorm
+    config = tiny_config(T.ElectraConfig, is_decoder=True)
+    model = T.ElectraForCausalLM._from_config(config, attn_implementation=NAME).eval()
+    ids = torch.randint(3, V, (2, 5), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="results are 32 wide and the norm before the unembedding reads 128"):
+        lens.logit_attribution(model, ids, ids[:, -1])

@@ -71,22 +71,38 @@ def logit_attribution(model: nn.Module, inputs: object, target: Tensor, *, posit
         norm, x, y = _checked_norm(seen, position)  # x, y (B, L, E)
         g, centred = frozen_norm(norm, x[:, position])  # (B, E)
         u, logit = _target(unembed, seen["unembed"][1][:, position], target, x.shape[0])  # (B, E), (B,)
-        names, parts = [], []
-        for name in c.names():
-            calls = c.calls(name, "result")
-            if len(calls) != 1:
-                raise ValueError(
-                    f"{name!r} ran {len(calls)} times in one forward; attribution needs one call per module"
-                )
-            r = calls[0][:, :, position]  # (B, H, E)
-            r = r - r.mean(-1, keepdim=True) if centred else r
-            parts.append(((r * (g * u)[:, None]).sum(-1)).T)  # (H, B)
-            names.append(name)
+        names = c.names()
+        parts = [
+            _head_logits(name, c.calls(name, "result"), position, x.shape[-1], centred, g * u)
+            for name in names
+        ]
         h = max(p.shape[0] for p in parts)
         heads = torch.stack(
             [torch.nn.functional.pad(p, (0, 0, 0, h - p.shape[0])) for p in parts]
         )  # (N, H, B)
     return Attribution(names, heads, logit - heads.sum((0, 1)), logit)
+
+
+def _head_logits(
+    name: str, calls: list[Tensor], position: int, width: int, centred: bool, direction: Tensor
+) -> Tensor:
+    """(H, B): each head's result at ``position`` through the frozen norm and the unembedding
+    (``direction`` = g * u, (B, E)); refused where the module ran more than once or its results are not in the
+    stream the final norm reads."""
+    if len(calls) != 1:
+        raise ValueError(
+            f"{name!r} ran {len(calls)} times in one forward; attribution needs one call per module"
+        )
+    r = calls[0][:, :, position]  # (B, H, E)
+    if r.shape[-1] != width:
+        raise ValueError(
+            f"logit_attribution reads each head's result in the stream the final norm reads, but {name!r}'s "
+            f"results are {r.shape[-1]} wide and the norm before the unembedding reads {width}: a layer sits "
+            f"between the residual stream and that norm (as in ELECTRA's generator head), so a head's share of "
+            f"the logit is not linear; read the heads' results with lens.cache(model, 'result') instead"
+        )
+    r = r - r.mean(-1, keepdim=True) if centred else r
+    return (r * direction[:, None]).sum(-1).T  # (H, B)
 
 
 def _unembedding(model: nn.Module) -> nn.Module:

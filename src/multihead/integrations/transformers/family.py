@@ -78,9 +78,14 @@ CROSS_NAMES = ("encoder_attn", "EncDecAttention", "crossattention", "cross_attn"
 whose name has one is ``"cross"`` to the inspection tools, whatever else its name says."""
 
 
-_OUTPUT_NAMES = ("o_proj", "out_proj")
-"""Output projections of the attention classes without an :class:`Arch` record (Gemma, Mistral's kin, gpt-oss,
-Cohere): the lens checks at run time that the layer is fed the merged heads."""
+_OUTPUT_NAMES = ("o_proj", "out_proj", "dense", "c_proj", "o", "wo")
+"""Output projections of the attention classes without an :class:`Arch` record, by the names transformers'
+families give them (Gemma, Mistral's kin, gpt-oss, Cohere: ``o_proj``; GPT-NeoX, CTRL: ``dense``; GPTBigCode and
+GPT-2's copies: ``c_proj``; T5's kin: ``o``); a BERT copy's (Camembert, ELECTRA, ERNIE, ...) is its parent's
+``output.dense`` (:data:`_SIBLING_OUTPUT`). A guess is safe: the lens checks at run time that the layer is fed
+the merged heads, and refuses the point ``"result"`` by name where it is not."""
+
+_SIBLING_OUTPUT = "../output.dense"
 
 _ATTENTION_CLASSES: dict[type, bool] = {}  # module class -> whether it calls the attention function
 
@@ -189,7 +194,13 @@ class TransformersFamily:
             layer = getattr(module, attr, None)
             if isinstance(layer, nn.Linear):
                 return Projection(layer)
-        return None
+            if isinstance(layer, transformers.pytorch_utils.Conv1D):
+                return Projection(layer, transposed=True)
+        try:
+            layer = _out_proj(model, name, _SIBLING_OUTPUT)
+        except AttributeError:
+            return None
+        return Projection(layer) if isinstance(layer, nn.Linear) else None
 
     def check_routed(self, model: nn.Module) -> None:
         check_model(model)

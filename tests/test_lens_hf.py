@@ -32,6 +32,7 @@ FAMILIES = {
     "bert (encoder)": (T.BertConfig, {}, T.AutoModel),
     "gpt_neox (output projection 'dense')": (T.GPTNeoXConfig, {}, T.AutoModelForCausalLM),
     "camembert (a BERT copy: the parent's output.dense)": (T.CamembertConfig, {}, T.AutoModel),
+    "olmo (a LayerNorm without weights)": (T.OlmoConfig, {}, T.AutoModelForCausalLM),
 }
 
 
@@ -155,12 +156,17 @@ def _frozen_by_hand(norm, x):
     """``g`` (B, E) of the three final norms, from their formulas and attributes."""
     if isinstance(norm, torch.nn.LayerNorm):
         return norm.weight / (x.var(-1, unbiased=False, keepdim=True) + norm.eps).sqrt()
+    if type(norm).__name__ == "OlmoLayerNorm":  # F.layer_norm without weights, eps 1e-5
+        return 1 / (x.var(-1, unbiased=False, keepdim=True) + 1e-5).sqrt()
     eps = getattr(norm, "variance_epsilon", None) or norm.eps
     weight = norm.weight + 1 if "Gemma" in type(norm).__name__ else norm.weight  # Gemma: x * (1 + w)
     return weight / (x.pow(2).mean(-1, keepdim=True) + eps).sqrt()
 
 
-@pytest.mark.parametrize("family", ["llama (GQA)", "gpt2 (Conv1D)", "gemma2 (softcap, windows)"])
+@pytest.mark.parametrize(
+    "family",
+    ["llama (GQA)", "gpt2 (Conv1D)", "gemma2 (softcap, windows)", "olmo (a LayerNorm without weights)"],
+)
 def test_logit_attribution_is_exact_and_equals_the_norm_by_hand(family):
     _, ours, inputs = _pair(family)
     ids = inputs["input_ids"][:, 2]
@@ -181,7 +187,7 @@ def test_logit_attribution_is_exact_and_equals_the_norm_by_hand(family):
     u = ours.get_output_embeddings().weight[ids]  # (B, E)
     for i, name in enumerate(att.names):
         r = c[name, "result"][:, :, 4]  # (B, H, E)
-        if isinstance(norm, torch.nn.LayerNorm):
+        if "LayerNorm" in type(norm).__name__:
             r = r - r.mean(-1, keepdim=True)
         torch.testing.assert_close(att.heads[i], (r * (g * u)[:, None]).sum(-1).T, atol=1e-5, rtol=1e-4)
     direction = torch.zeros(V)

@@ -118,11 +118,15 @@ def _unembedding(model: nn.Module) -> nn.Module:
 
 
 def _is_norm(module: nn.Module, width: int) -> bool:
-    """A leaf module whose parameters are all (E,) vectors (LayerNorm, RMSNorm and kin)."""
+    """A leaf module whose parameters are all (E,) vectors (LayerNorm, RMSNorm and kin), or a leaf without
+    parameters whose class says it is a norm (OLMo's LayerNorm, nanochat's RMSNorm: no affine weights). A wrong
+    pick is caught: the probe of :func:`frozen_norm` refuses what does not act as a norm."""
+    if any(True for _ in module.children()):
+        return False
     params = list(module.parameters(recurse=False))
-    return (
-        not any(True for _ in module.children()) and bool(params) and all(p.shape == (width,) for p in params)
-    )
+    if not params:
+        return "norm" in type(module).__name__.lower()
+    return all(p.shape == (width,) for p in params)
 
 
 @contextmanager

@@ -95,6 +95,7 @@ def one(run: str, peer_of: dict | None) -> dict:
         "recovery_run": report["recovery"]["steps_run"], "speed": report["speed"],
         "wall_s": wall, "cpu_s": end.ru_utime + end.ru_stime - cpu.ru_utime - cpu.ru_stime,
         "peak_mib": end.ru_maxrss / 1024, "load_after": os.getloadavg()[0], "threads": torch.get_num_threads(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }  # fmt: skip
 
 

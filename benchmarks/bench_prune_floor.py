@@ -183,7 +183,7 @@ def plot(res: dict, path: Path) -> None:
             pts = sorted((r["pruned"], r["held_out"], *r["interval"]) for r in rs if r["peer"] == peer)
             if pts:
                 x, y, lo, hi = zip(*pts, strict=True)
-                x = [k + peer * rs[0]["heads_total"] / 150 for k in x]  # side by side, not on top
+                x = [k + 0.3 * peer for k in x]  # side by side, not on top
                 err = [
                     [a - b for a, b in zip(y, lo, strict=True)],
                     [b - a for a, b in zip(y, hi, strict=True)],
@@ -195,7 +195,7 @@ def plot(res: dict, path: Path) -> None:
         if tried:
             ax.plot(
                 *zip(*tried, strict=True),
-                "--",
+                ".--",
                 color="C0",
                 alpha=0.5,
                 label="refit only, validation (search)",
@@ -205,7 +205,8 @@ def plot(res: dict, path: Path) -> None:
         ax.set_xlabel(f"heads removed (of {rs[0]['heads_total']})")
         ax.set_ylabel("perplexity ratio (lower is better)" if lm else "quality kept (Spearman)")
         ax.set_title(f"{model}, {corpus}", fontsize=9)
-        ax.legend(fontsize=7, loc="upper left" if lm else "lower left")
+        ax.margins(x=0.15)
+        ax.legend(fontsize=7, loc="best")
     fig.savefig(path, dpi=100, metadata={"Software": None})
 
 

@@ -95,6 +95,7 @@ def one(run: str, peer_of: dict | None) -> dict:
         "recovery_run": report["recovery"]["steps_run"], "speed": report["speed"],
         "wall_s": wall, "cpu_s": end.ru_utime + end.ru_stime - cpu.ru_utime - cpu.ru_stime,
         "peak_mib": end.ru_maxrss / 1024, "load_after": os.getloadavg()[0], "threads": torch.get_num_threads(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }  # fmt: skip
 
 
@@ -163,12 +164,59 @@ def main(argv: list[str] | None = None) -> None:
             save(records)
 
 
+def plot(res: dict, path: Path) -> None:
+    """Quality against heads removed, the command against the peer: one panel per model and corpus. The
+    command's held-out quality (90% interval as bars) at each floor; the peer's at the same counts; the
+    refit-only validation quality the --quality search measured at each count it tried (line)."""
+    from multihead import viz
+
+    panels = sorted({(r["run"].split(":")[0], r["corpus"]) for r in res["records"]})
+    fig = viz.new_figure(figsize=(4.2 * len(panels), 3.6), layout="constrained")
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, (model, corpus) in zip(axes, panels, strict=True):
+        rs = [r for r in res["records"] if r["run"].startswith(f"{model}:{corpus}:")]
+        lm = model == "smollm2"  # a perplexity ratio: lower is better
+        for peer, color, label in (
+            (False, "C0", "multihead prune"),
+            (True, "C3", "gradient importance + recovery"),
+        ):
+            pts = sorted((r["pruned"], r["held_out"], *r["interval"]) for r in rs if r["peer"] == peer)
+            if pts:
+                x, y, lo, hi = zip(*pts, strict=True)
+                x = [k + 0.3 * peer for k in x]  # side by side, not on top
+                err = [
+                    [a - b for a, b in zip(y, lo, strict=True)],
+                    [b - a for a, b in zip(y, hi, strict=True)],
+                ]
+                ax.errorbar(x, y, yerr=err, fmt="o", color=color, capsize=3, label=f"{label}, held-out")
+        tried = sorted(
+            {int(k): v for r in rs if r.get("floor") for k, v in r["floor"]["tried"].items()}.items()
+        )
+        if tried:
+            ax.plot(
+                *zip(*tried, strict=True),
+                ".--",
+                color="C0",
+                alpha=0.5,
+                label="refit only, validation (search)",
+            )
+        for q in () if lm else map(float, FLOORS):
+            ax.axhline(q, color="k", lw=0.6, ls=":")
+        ax.set_xlabel(f"heads removed (of {rs[0]['heads_total']})")
+        ax.set_ylabel("perplexity ratio (lower is better)" if lm else "quality kept (Spearman)")
+        ax.set_title(f"{model}, {corpus}", fontsize=9)
+        ax.margins(x=0.15)
+        ax.legend(fontsize=7, loc="best")
+    fig.savefig(path, dpi=100, metadata={"Software": None})
+
+
 def save(records: list[dict]) -> None:
     res = {"records": records, "machine": machine().words(), "torch": torch.__version__,
            "transformers": T.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}  # fmt: skip
     RESULTS.mkdir(exist_ok=True)
     OUT.write_text(json.dumps(res, indent=2) + "\n")
     (RESULTS / "prune_floor.md").write_text(markdown(res))
+    plot(res, RESULTS / "prune_floor.png")
     print(markdown(res))
 
 

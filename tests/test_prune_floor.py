@@ -187,6 +187,35 @@ def test_grouped_query_heads_go_by_whole_groups_and_the_kv_heads_shrink():
     assert P.heads_to_prune(8, {"a": 6, "b": 6}, {"a": 3}) == 8
 
 
+@pytest.mark.parametrize(
+    ("value", "counts", "groups", "n"),
+    [
+        (0.25, {f"l{i}": 9 for i in range(30)}, {f"l{i}": 3 for i in range(30)}, 66),  # SmolLM2: 68 -> 66
+        (8, {"a": 6, "b": 6}, {"a": 3}, 8),  # b's single heads fill in: no rounding
+        (7, {"a": 6, "b": 6}, {"a": 3, "b": 3}, 6),
+        (0.5, {"a": 8, "b": 8}, {"a": 2, "b": 4}, 8),  # units of 2 and 4: multiples of 2
+        (3, {"a": 6}, {"a": 3}, 3),
+    ],
+)
+def test_heads_count_is_rounded_to_whole_groups(value, counts, groups, n):
+    assert P.heads_to_prune(value, counts, groups) == n
+
+
+def test_fewer_heads_than_a_group_is_a_usage_error():
+    with pytest.raises(P.PruneError, match="groups of 3; ask for 3 heads or more"):
+        P.heads_to_prune(2, {"a": 6}, {"a": 3})
+
+
+def test_first_line_states_the_heads_that_go(tmp_path, llama):
+    """Under GQA (2 query heads a key/value head) ``--heads 3`` removes 2: the first line says 2, not 3."""
+    lines = []
+    opts = P.Options(llama, _lines(tmp_path), "3", tmp_path / "out", recover=0, reconstruct=0, progress=False,
+                     timing=QUICK)  # fmt: skip
+    report = P.run(opts, echo=lines.append)
+    assert report["pruned_count"] == 2 == report["heads_before"] - report["heads_after"]
+    assert "pruning 2 heads" in lines[0], lines[0]
+
+
 def test_the_gradient_importance_peer_recovers_only(tmp_path, llama):
     out = tmp_path / "out"
     opts = P.Options(llama, _lines(tmp_path), "3", out, recover=2, importance_rounds=1, progress=False,

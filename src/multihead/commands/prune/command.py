@@ -124,7 +124,8 @@ def prepare(opts: Options) -> Job:
     scale = size_scale(count_params(loaded.model))
     steps = recover_steps(opts.recover, scale=scale)
     reconstruct = reconstruct_steps(opts.reconstruct, scale=scale, layers=len(counts))
-    n = 0 if value is None else heads_to_prune(value, counts, gqa_groups(loaded.model))  # --quality: searched
+    groups = {} if opts.importance_rounds else gqa_groups(loaded.model)  # the peer picks single heads
+    n = 0 if value is None else heads_to_prune(value, counts, groups)  # --quality: searched
     texts = {"train": splits.train, "validation": splits.validation, "held_out": splits.held_out}
     ids = {k: encode(loaded.tokenizer, v, loaded.max_length, opts.truncate) for k, v in texts.items()}
     return Job(

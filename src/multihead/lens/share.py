@@ -53,8 +53,8 @@ class Prefix:
     """Shares the layers before the first patched module across the copies of a patching sweep.
 
     ``layers[i]``: the layer holding the i-th patched module (None: not in a stack). :meth:`expanding` repeats
-    the inputs of one layer; :meth:`trusted` tells whether sharing is (still) on, :meth:`verify` switches it off
-    when the check copy disagrees.
+    the inputs of one layer; ``on`` tells whether sharing is (still) on, :meth:`verify` switches it off when the
+    check copy disagrees.
     """
 
     def __init__(self, model: nn.Module, names: list[str]) -> None:

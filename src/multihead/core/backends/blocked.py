@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -46,6 +46,8 @@ from ..masks import MaskFunction, Normalized, attn_mask, causal, combine, evalua
 from ..masks.blocks import BlockMaskFunction, Blocks, structure
 from ..segments import Run, packed_runs
 from ._common import group_mask, kv_for_cpu_kernel, unread_zeroed, zero_dead_rows
+from ._online import OnlineSoftmax
+from ._pieces import pieces
 from .base import AttentionCall
 
 __all__ = ["BlockedBackend", "packed_runs"]
@@ -140,31 +142,30 @@ class BlockedBackend:
         grad = torch.is_grad_enabled()  # out of place (autograd) or in place (inference)
         out = None if grad else q.new_empty(b, h, lq, dv)  # (Bs, H, Lq', Dv)
         blocks: list[Tensor] = []
-        tiles = frame.structure(self.block_q, self.block_k)  # which tiles are empty, partial, full
-        step = self.block_q if tiles is None else tiles.block_q * max(1, self.block_q // tiles.block_q)
-        fn = call.masks.mask_fn
-        if tiles is not None and isinstance(fn, BlockMaskFunction) and fn.inner is not fn:
-            step = tiles.block_q  # one row of a BlockMask's blocks: its mask_mod alone decides inside
-        for i0 in range(0, lq, step):
-            i1 = min(lq, i0 + step)
+        plan = self._plan(call, frame, lq, lk, q.dtype, grad)  # (i0, i1, spans) of each block of queries
+        qs = ks = vs = None  # without autograd: plain slices as the blocks come
+        if grad:  # every block planned first: q, k, v cut with one gradient buffer each (see _pieces)
+            plan = list(plan)
+            qs = pieces(q, [(i0, i1) for i0, i1, _ in plan])
+            bounds = [(sp.j0, sp.j1) for _, _, spans in plan for sp in spans]
+            ks, vs = pieces(k, bounds), pieces(v, bounds)
+
+        def cut(j0: int, j1: int) -> tuple[Tensor, Tensor]:  # (Bs, Hkv, w, Dk), (Bs, Hkv, w, Dv)
+            return (k[:, :, j0:j1], v[:, :, j0:j1]) if ks is None or vs is None else (ks[j0, j1], vs[j0, j1])
+
+        for i0, i1, spans in plan:
             n = i1 - i0
-            with _serial():  # the masks' ops, serially
-                if tiles is None:  # no structure: the mask is probed tile by tile
-                    spans = list(frame.spans(i0, i1, lk, self.span_k, q.dtype))  # [_Span]
-                else:  # full tiles apart (no mask) where their log-sum-exp is merged; together under autograd
-                    full_min = self.full_min if not grad else 0
-                    spans = list(frame.block_spans(i0, i1, lk, self.span_k, q.dtype, tiles, full_min))
+            qb = q[:, :, i0:i1] if qs is None else qs[i0, i1]  # (Bs, H, n, Dk)
             if softcap is None and (grad and len(spans) == 1 and sinks is None or not grad and dk == dv):
-                block = _fused(q[:, :, i0:i1], k, v, spans, call.scale, sinks, grad)
+                block = _fused(qb, k, v, spans, call.scale, sinks, grad, cut)
             else:
-                qb = q[:, :, i0:i1]  # (Bs, H, n, Dk)
                 dead = _rows_seeing_nothing(spans)  # (Bs|1, H|1, n, 1) or None
-                qb = qb if dead is None else qb.masked_fill(dead, 0.0)  # their garbage: never read
-                qt = (qb * factor).reshape(b, hkv, g * n, dk)  # (Bs, Hkv, G*n, Dk)
-                state = _State.start(b, h, n, dv, q, sinks)
+                qz = qb if dead is None else qb.masked_fill(dead, 0.0)  # their garbage: never read
+                qt = (qz * factor).reshape(b, hkv, g * n, dk)  # (Bs, Hkv, G*n, Dk)
+                state = OnlineSoftmax.start(b, h, n, dv, q, sinks)
                 for j0, j1, keep, bias in spans:
-                    kt, vt = k[:, :, j0:j1], v[:, :, j0:j1]  # (Bs, Hkv, w, D); hidden garbage: never read
-                    _, kt, vt = unread_zeroed(q[:, :, i0:i1], kt, vt, keep, bias, None, factor)
+                    kt, vt = cut(j0, j1)  # (Bs, Hkv, w, D); hidden garbage: never read
+                    _, kt, vt = unread_zeroed(qb, kt, vt, keep, bias, None, factor)
                     s = torch.matmul(qt, kt.transpose(-2, -1)).view(b, h, n, j1 - j0)  # (Bs, H, n, w)
                     if softcap is not None:
                         s = s.tanh_().mul_(softcap) if not grad else torch.tanh(s) * softcap
@@ -186,6 +187,24 @@ class BlockedBackend:
         if out is not None:
             return out
         return torch.cat(blocks, dim=2) if blocks else q.new_zeros(b, h, lq, dv)  # (Bs, H, Lq', Dv)
+
+    def _plan(self, call: AttentionCall, frame: _Frame, lq: int, lk: int, dtype: torch.dtype,
+              grad: bool) -> Iterator[tuple[int, int, list[_Span]]]:  # fmt: skip
+        """(i0, i1, the key spans to compute) of each block of queries i0:i1."""
+        tiles = frame.structure(self.block_q, self.block_k)  # which tiles are empty, partial, full
+        step = self.block_q if tiles is None else tiles.block_q * max(1, self.block_q // tiles.block_q)
+        fn = call.masks.mask_fn
+        if tiles is not None and isinstance(fn, BlockMaskFunction) and fn.inner is not fn:
+            step = tiles.block_q  # one row of a BlockMask's blocks: its mask_mod alone decides inside
+        for i0 in range(0, lq, step):
+            i1 = min(lq, i0 + step)
+            with _serial():  # the masks' ops, serially
+                if tiles is None:  # no structure: the mask is probed tile by tile
+                    spans = list(frame.spans(i0, i1, lk, self.span_k, dtype))  # [_Span]
+                else:  # full tiles apart (no mask) where their log-sum-exp is merged; together under autograd
+                    full_min = self.full_min if not grad else 0
+                    spans = list(frame.block_spans(i0, i1, lk, self.span_k, dtype, tiles, full_min))
+            yield i0, i1, spans
 
     # ------------------------------------------------------------------------------------------
     # varlen path
@@ -498,7 +517,7 @@ def _serial() -> Iterator[None]:
 
 
 def _fused(qb: Tensor, k: Tensor, v: Tensor, spans: list[_Span], scale: float, sinks: Tensor | None,
-           grad: bool) -> Tensor:  # fmt: skip
+           grad: bool, cut: Callable[[int, int], tuple[Tensor, Tensor]]) -> Tensor:  # fmt: skip
     """One block of queries qb (Bs, H, n, Dk) over its spans, each through PyTorch's fused CPU attention
     kernel (the G query heads of a kv head stacked as rows) with the span's mask and bias as one additive
     mask -> (Bs, H, n, Dv).
@@ -519,9 +538,7 @@ def _fused(qb: Tensor, k: Tensor, v: Tensor, spans: list[_Span], scale: float, s
             mask = attn_mask(keep, bias, qg.dtype)  # the bias (or 0) where allowed, -inf elsewhere
         if mask is not None:
             mask = group_mask(mask.expand(*mask.shape[:3], j1 - j0), h, hkv, n)  # (Bs|1, Hkv|1, G*n|1, w)
-        qs, kt, vt = unread_zeroed(
-            qb, k[:, :, j0:j1], v[:, :, j0:j1], keep, bias, row_ok, scale
-        )  # (Bs, *, w, D)
+        qs, kt, vt = unread_zeroed(qb, *cut(j0, j1), keep, bias, row_ok, scale)  # (Bs, *, w, D)
         qs = qg if qs is qb else qs.reshape(b, hkv, h // hkv * n, dk)  # hidden garbage: never read
         if grad:
             o = F.scaled_dot_product_attention(qs, kt, vt, attn_mask=mask, scale=scale)  # (Bs, Hkv, G*n, Dv)
@@ -547,48 +564,3 @@ def _join(acc: Tensor, lse: Tensor, o: Tensor, part: Tensor) -> tuple[Tensor, Te
         total = torch.logaddexp(lse, part)  # (Bs, H, n, 1)
         shift = total.masked_fill(torch.isneginf(total), 0.0)  # rows with nothing so far stay 0
         return acc * torch.exp(lse - shift) + o * torch.exp(part - shift), total
-
-
-# ----------------------------------------------------------------------------------------------
-# Online softmax over the spans of one block of queries
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class _State:
-    """Running row max ``top`` (no gradient: the result does not depend on it), denominator ``total``
-    and unnormalised output ``acc`` of one block of queries: (Bs, H, n, 1), (Bs, H, n, 1), (Bs, H, n, Dv)."""
-
-    top: Tensor
-    total: Tensor
-    acc: Tensor
-
-    @classmethod
-    def start(cls, b: int, h: int, n: int, dv: int, like: Tensor, sinks: Tensor | None) -> _State:
-        acc = like.new_zeros(b, h, n, dv)
-        if sinks is None:
-            return cls(like.new_full((b, h, n, 1), float("-inf")), like.new_zeros(b, h, n, 1), acc)
-        sink = sinks.to(like.dtype).view(1, h, 1, 1)  # (1, H, 1, 1)
-        top = sink.detach().expand(b, h, n, 1)
-        return cls(top, torch.exp(sink - sink.detach()).expand(b, h, n, 1), acc)  # exp(0) = 1, with grad
-
-    def add(self, s: Tensor, v: Tensor, g: int, grad: bool) -> None:
-        """Join the scores s (Bs, H, n, w) of one span with its values v (Bs, Hkv, w, Dv)."""
-        b, h, n, w = s.shape
-        with torch.no_grad():
-            top = torch.maximum(self.top, s.amax(dim=-1, keepdim=True))  # (Bs, H, n, 1)
-            shift = top.masked_fill(torch.isneginf(top), 0.0)  # rows with nothing allowed yet: exp(-inf) = 0
-            alpha = torch.exp(self.top - shift)  # rescales what came before
-        p = s.sub_(shift).exp_() if not grad else torch.exp(s - shift)  # (Bs, H, n, w)
-        pv = torch.matmul(p.view(b, h // g, g * n, w), v).view(b, h, n, v.shape[-1])  # (Bs, H, n, Dv)
-        if grad:
-            self.total = self.total * alpha + p.sum(dim=-1, keepdim=True)
-            self.acc = self.acc * alpha + pv
-        else:
-            self.total = self.total.mul(alpha).add_(p.sum(dim=-1, keepdim=True))
-            self.acc = self.acc.mul_(alpha).add_(pv)
-        self.top = top
-
-    def finish(self) -> Tensor:
-        """acc / total, 0 in rows that saw no key and no sink (Bs, H, n, Dv)."""
-        return self.acc / self.total.masked_fill(self.total == 0, 1.0)

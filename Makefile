@@ -26,9 +26,11 @@ venv: $(STAMP)
 # requirements-vision.txt (torchvision, open_clip: real models for compat.torch.convert's tests) goes into
 # .venv/vision with --no-deps, outside site-packages: PyPI's torchvision is a CUDA build whose import fails beside
 # the CPU torch, and transformers imports torchvision whenever it finds it (tests/torchvision_env.py)
+# requirements-dev.txt goes in with uv (tests/uv_install.py: on all cores, under pip's own configuration),
+# or with pip where uv cannot be had or fails; the editable project and the vision folder with pip
 $(STAMP): pyproject.toml requirements-dev.txt requirements-vision.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) $(PIP) -r requirements-dev.txt
+	$(PY) tests/uv_install.py -r requirements-dev.txt || $(PY) $(PIP) -r requirements-dev.txt
 	$(PY) $(PIP) --no-build-isolation -c requirements-dev.txt -e ".[dev]"
 	$(PY) $(PIP) --no-deps --upgrade --target $(VENV)/vision -r requirements-vision.txt
 	touch $(STAMP)
@@ -69,7 +71,9 @@ browser:
 
 # the suite runs under the CPU kernels torch picks here; tests/cpu_kernels.py then reruns the tests marked
 # `numerics` (those that compare with the float64 reference) under every other ATEN_CPU_CAPABILITY the CPU has
-test: lint docs smoke browser
+# lint, the site and the wheel's smoke test run side by side (each mostly on one core; output grouped per target)
+test: $(STAMP) browser
+	$(MAKE) --no-print-directory -j 3 --output-sync=target lint docs smoke
 	$(PY) -m pytest -q -n 2 --dist worksteal --durations=10
 	$(PY) tests/cpu_kernels.py
 

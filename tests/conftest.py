@@ -12,6 +12,23 @@ def pytest_configure(config: pytest.Config) -> None:
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers and workers >= (os.cpu_count() or 1):
         torch.set_num_threads(1)
+    asked = os.environ.get("ATEN_CPU_CAPABILITY")
+    took = torch.backends.cpu.get_cpu_capability().lower().replace("no avx", "default")
+    if asked and asked.lower() != took:  # tests/cpu_kernels.py's reruns would check another kernel than named
+        raise pytest.UsageError(
+            f"ATEN_CPU_CAPABILITY={asked}, but torch runs its {took} kernels: this CPU lacks {asked}; unset "
+            "the variable or pick one that `multihead.testing.cpu_capabilities()` lists"
+        )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A failure under ``ATEN_CPU_CAPABILITY`` (tests/cpu_kernels.py: one xdist worker per capability) says
+    which kernels it ran on."""
+    report = yield
+    if report.failed and "ATEN_CPU_CAPABILITY" in os.environ:
+        report.sections.append(("CPU kernels", f"ATEN_CPU_CAPABILITY={os.environ['ATEN_CPU_CAPABILITY']}"))
+    return report
 
 
 @pytest.fixture

@@ -4,7 +4,13 @@ torch compiles its CPU kernels once per ``ATEN_CPU_CAPABILITY`` (default, avx2, 
 best one the CPU has; users' CPUs pick others, and a tolerance tuned on one kernel can fail on another (the
 suite once passed on an AMD CPU and failed on an Intel one). The suite itself runs under torch's own pick;
 this runs the tests marked ``numerics`` (those that compare with the float64 reference) under each other
-capability the CPU has, so every kernel a user may get is checked here: about 20 s a capability on 2 cores.
+capability the CPU has, so every kernel a user may get is checked here.
+
+One pytest run does it: an xdist worker per capability (``--tx popen//env:ATEN_CPU_CAPABILITY=...``) and
+``--dist each``, which hands every test to every worker, so the capabilities run side by side, one core
+each, and the test files are collected once per capability (two capabilities one after the other, two
+workers each, took 101 s on the 2-core machine; side by side: see docs/development.md). tests/conftest.py
+checks in each worker that torch took the capability asked for and names it in a failure's report.
 
     python tests/cpu_kernels.py [pytest arguments...]   (arguments: they choose the tests, not the files
                                                           that mark tests numerics)
@@ -12,7 +18,6 @@ capability the CPU has, so every kernel a user may get is checked here: about 20
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -23,21 +28,26 @@ from multihead.testing import cpu_capabilities
 
 def main(argv: list[str]) -> int:
     caps = cpu_capabilities()
-    own = caps[-1]  # torch's own pick: the one the suite ran under
+    own, others = caps[-1], caps[:-1]  # torch's own pick: the one the suite ran under
     print(f"CPU capabilities here: {', '.join(caps)}; the suite ran under {own} (torch's pick)")
+    if not others:
+        print("no other capability to rerun the numerics tests under")
+        return 0
     root = Path(__file__).resolve().parent.parent
     files = numerics_files(root / "tests") if not argv else []
-    for cap in caps[:-1]:
-        start = time.perf_counter()
-        cmd = [sys.executable, "-m", "pytest", "-q", "-m", "numerics", "-n", "2", "-p", "no:cacheprovider"]
-        cmd += files
-        env = {**os.environ, "ATEN_CPU_CAPABILITY": cap}
-        status = subprocess.run(cmd + argv, cwd=root, env=env).returncode
-        print(f"numerics tests under ATEN_CPU_CAPABILITY={cap}: {time.perf_counter() - start:.0f} s")
-        if status:
-            print(f"FAILED under ATEN_CPU_CAPABILITY={cap}: rerun with that variable set to see it alone")
-            return status
-    return 0
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "numerics", "-p", "no:cacheprovider", "--dist", "each"]
+    for cap in others:  # worker gw<i> runs under others[i]
+        cmd += ["--tx", f"popen//env:ATEN_CPU_CAPABILITY={cap}"]
+    start = time.perf_counter()
+    status = subprocess.run(cmd + files + argv, cwd=root).returncode
+    names = ", ".join(f"gw{i} {cap}" for i, cap in enumerate(others))
+    print(f"numerics tests under ATEN_CPU_CAPABILITY={'+'.join(others)} ({names}): "
+          f"{time.perf_counter() - start:.0f} s")  # fmt: skip
+    if status:
+        print(
+            "FAILED: each failure names its ATEN_CPU_CAPABILITY; rerun with that variable set to see it alone"
+        )
+    return status
 
 
 def numerics_files(tests: Path) -> list[str]:

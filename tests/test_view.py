@@ -7,6 +7,7 @@ bad folders give one-line :class:`NotACheckpoint` errors naming the folder and t
 from __future__ import annotations
 
 import base64
+import io
 import json
 import math
 import os
@@ -169,7 +170,10 @@ class _Page(HTMLParser):
 
 def read_page(path):
     """The page's embedded data (checked to be well-formed, offline HTML) with every head decoded to
-    float64 arrays (H, Lq, Lk): our own decoder of the documented format, not the library's."""
+    float64 arrays (H, Lq, Lk) and every thumbnail to uint8 pixels (H, R, C): our own decoder of the
+    documented format and PIL's of the PNGs, not the library's."""
+    from PIL import Image
+
     text = path.read_text(encoding="utf-8")
     assert text.startswith("<!DOCTYPE html>")
     parser = _Page()
@@ -182,6 +186,9 @@ def read_page(path):
         lq, lk = len(data["sequences"][m["q"]]), len(data["sequences"][m["k"]])
         raw = [np.frombuffer(zlib.decompress(base64.b64decode(b)), dtype=np.uint8) for b in m["blobs"]]
         m["weights"] = np.stack([r.reshape(lk, lq).T for r in raw]).astype(np.float64) / 255  # (H, Lq, Lk)
+        pngs = [Image.open(io.BytesIO(base64.b64decode(t))) for t in m["thumbs"]]
+        assert all(p.format == "PNG" and p.mode == "P" for p in pngs)
+        m["thumbs"] = np.stack([np.asarray(p) for p in pngs])  # (H, R, C)
     return data
 
 
@@ -211,6 +218,13 @@ def stats_by_loops(w, special, self_attention):
     else:
         out.update(distance=None, previous=None, same=None)
     return out
+
+
+def check_thumbs(module, weights):
+    """Under 96 tokens a thumbnail pools nothing: its pixels are the weights (H, Lq, Lk) rounded to uint8,
+    within one level (the oracle's weights differ from multihead's by float rounding)."""
+    assert max(weights.shape[1:]) <= 96 and module["thumbs"].shape == weights.shape
+    assert np.abs(module["thumbs"].astype(np.int64) - np.floor(255 * weights + 0.5)).max() <= 1
 
 
 def check_stats(module, weights, special, self_attention):
@@ -246,6 +260,7 @@ def test_view_minilm_page_holds_the_captured_weights_stats_and_importance(capsys
         assert m["kind"] == "encoder self" and m["weights"].shape == w.shape == (12, len(tok), len(tok))
         assert np.abs(m["weights"] - w).max() <= 1 / 510 + 1e-6  # uint8 quantisation
         check_stats(m, w, data["special"]["input"], True)
+        check_thumbs(m, w)
         imp = np.array(m["importance"])
         assert imp.shape == (12,) and (imp >= 0).all() and np.linalg.norm(imp) == pytest.approx(1, abs=1e-4)
 
@@ -272,6 +287,7 @@ def test_view_decoder_page_is_causal(capsys, tmp_path, folders):
         assert np.abs(m["weights"] - w).max() <= 1 / 510 + 1e-6
         assert (np.triu(m["weights"], k=1) == 0).all()  # nothing after the query
         check_stats(m, w, data["special"]["input"], True)
+        check_thumbs(m, w)
         assert len(m["importance"]) == 4
 
 
@@ -314,6 +330,7 @@ def test_view_encoder_decoder_page_has_every_attention(capsys, tmp_path, folders
             w = w[0].double().numpy()
             assert m["weights"].shape == w.shape and np.abs(m["weights"] - w).max() <= 1 / 510 + 1e-6
             check_stats(m, w, data["special"][m["k"]], kind != "cross")
+            check_thumbs(m, w)
         assert len(got) == 2
 
 

@@ -128,6 +128,7 @@ section{margin:0 0 22px}
 .layout{display:flex;gap:24px;flex-wrap:wrap;align-items:flex-start}
 .hv{flex:0 1 500px;min-width:320px}
 .hvbox{max-height:78vh;overflow-y:auto;border:1px solid var(--line);border-radius:4px;background:#fff}
+#hv{position:sticky;top:0;display:block}
 .controls{display:flex;flex-wrap:wrap;gap:6px 10px;align-items:center;margin:0 0 8px}
 .controls select{font:inherit;padding:2px 4px}
 .chip{display:inline-flex;align-items:center;gap:4px;padding:1px 8px;border-radius:11px;border:1px solid var(--line);
@@ -160,7 +161,7 @@ show it in the head view.</div>
 <div class="controls"><label>module <select id="modsel"></select></label><span id="chips"></span></div>
 <div class="note">Lines join each query token (left) to the keys it attends to (right); opacity = weight.
 Hover a token to see only its lines.</div>
-<div class="hvbox"><canvas id="hv"></canvas></div></section>
+<div class="hvbox" id="hvbox"><div id="hvspace"><canvas id="hv"></canvas></div></div></section>
 <section class="tbl"><h2>Head statistics</h2>
 <div class="note" id="colnote">Click a column to sort; click a row to show that head.</div>
 <div class="tblbox"><table id="stats"><thead></thead><tbody></tbody></table></div></section>
@@ -240,8 +241,8 @@ function shortName(n) { const p = n.split("."), num = p.filter((x) => /^\\d+$/.t
   return (side ? side + " " : "") + (num.length ? "layer " + num.join(".") + " " : "") + p[p.length - 1]; }
 
 // ---- head view: tokens in two columns, lines for the selected heads ----
-const hv = $("hv"), hctx = hv.getContext("2d");
-let cur = { mi: 0, heads: [0] }, hover = null, geom = null;
+const hv = $("hv"), hctx = hv.getContext("2d"), hvbox = $("hvbox"), hvspace = $("hvspace");
+let cur = { mi: 0, heads: [0] }, hover = null, geom = null, shown = null;
 const modsel = $("modsel");
 D.modules.forEach((m, mi) => modsel.append(el("option", { value: mi }, m.name + " (" + m.kind + ")")));
 modsel.addEventListener("change", () => select(+modsel.value, cur.heads.filter((h) => h < D.modules[+modsel.value].heads)));
@@ -264,53 +265,64 @@ async function select(mi, hs) {
   await drawHeadView();
 }
 async function drawHeadView() {
-  const m = D.modules[cur.mi], qt = D.sequences[m.q], kt = D.sequences[m.k];
-  const want = cur.mi, data = [];
-  for (const h of cur.heads) data.push([h, await head(cur.mi, h)]);
-  if (want !== cur.mi) return;
-  // a canvas side stays under 32,767 device pixels (browsers refuse larger): long texts get lower rows
-  const n = Math.max(qt.length, kt.length), rowH = Math.max(2, Math.min(18, Math.floor(32000 / (n + 1))));
-  const dpr = Math.min(window.devicePixelRatio || 1, 32000 / (n * rowH + 12));
+  const mi = cur.mi, m = D.modules[mi], data = [];
+  for (const h of cur.heads) data.push([h, await head(mi, h)]);
+  if (mi !== cur.mi) return;
+  const qt = D.sequences[m.q], kt = D.sequences[m.k], n = Math.max(qt.length, kt.length), rowH = 18;
   hctx.font = "13px system-ui, sans-serif";
   let tw = 40;
   for (const t of qt.concat(kt)) tw = Math.max(tw, Math.min(160, hctx.measureText(t).width + 12));
-  const gap = 180, W = 2 * tw + gap, H = n * rowH + 12;
-  hv.width = W * dpr; hv.height = H * dpr; hv.style.width = W + "px"; hv.style.height = H + "px";
-  geom = { tw: tw, gap: gap, rowH: rowH, W: W, nq: qt.length, nk: kt.length };
-  const ctx = hctx; ctx.setTransform(dpr, 0, 0, dpr, 0, 0); ctx.clearRect(0, 0, W, H);
-  ctx.font = "13px system-ui, sans-serif"; ctx.textBaseline = "middle";
-  const yOf = (i) => 6 + i * rowH + rowH / 2, x0 = tw, x1 = tw + gap;
-  for (const [h, v] of data) {
+  geom = { tw: tw, gap: 180, rowH: rowH, W: 2 * tw + 180, H: n * rowH + 12, nq: qt.length, nk: kt.length };
+  shown = { qt: qt, kt: kt, data: data };
+  hvspace.style.width = geom.W + "px"; hvspace.style.height = geom.H + "px";
+  paint();
+}
+// the canvas covers only the rows scrolled into view (1,000 tokens are 18,000 pixels tall): only the
+// lines that cross them are drawn, and the view is painted again as the box scrolls
+function paint() {
+  if (!shown) return;
+  const g = geom, top = hvbox.scrollTop, vh = Math.min(g.H, hvbox.clientHeight || 800);
+  const dpr = window.devicePixelRatio || 1, ctx = hctx;
+  hv.width = g.W * dpr; hv.height = vh * dpr; hv.style.width = g.W + "px"; hv.style.height = vh + "px";
+  ctx.setTransform(dpr, 0, 0, dpr, 0, -top * dpr);  // from here on, y is in the whole view's pixels
+  const yOf = (i) => 6 + i * g.rowH + g.rowH / 2, x0 = g.tw, x1 = g.tw + g.gap, lo = top - g.rowH, hi = top + vh + g.rowH;
+  const qk = hover && hover.side === "q" ? hover.i : -1, kk = hover && hover.side === "k" ? hover.i : -1;
+  for (const [h, v] of shown.data) {
     ctx.strokeStyle = PALETTE[h % PALETTE.length]; ctx.lineWidth = 1.6;
-    for (let i = 0; i < v.lq; i++) {
-      if (hover && hover.side === "q" && hover.i !== i) continue;
-      for (let j = 0; j < v.lk; j++) {
-        if (hover && hover.side === "k" && hover.i !== j) continue;
-        const w = v.q[j * v.lq + i] / 255;
-        if (w < 0.01) continue;
-        ctx.globalAlpha = Math.min(1, w * (data.length > 1 ? 0.8 : 1));
-        ctx.beginPath(); ctx.moveTo(x0, yOf(i)); ctx.lineTo(x1, yOf(j)); ctx.stroke();
+    const paths = new Map();  // the lines of one weight (uint8) in one path: one stroke each, not one per line
+    for (let j = kk < 0 ? 0 : kk; j < (kk < 0 ? v.lk : kk + 1); j++) {
+      const col = v.q.subarray(j * v.lq, (j + 1) * v.lq), yj = yOf(j);  // key j's weight from every query
+      for (let i = qk < 0 ? 0 : qk; i < (qk < 0 ? v.lq : qk + 1); i++) {
+        const x = col[i], yi = yOf(i);
+        if (x / 255 < 0.01 || Math.max(yi, yj) < lo || Math.min(yi, yj) > hi) continue;  // faint, or not in view
+        let p = paths.get(x);
+        if (!p) { p = new Path2D(); paths.set(x, p); }
+        p.moveTo(x0, yi); p.lineTo(x1, yj);
       }
     }
+    for (const [x, p] of paths) { ctx.globalAlpha = Math.min(1, x / 255 * (shown.data.length > 1 ? 0.8 : 1)); ctx.stroke(p); }
   }
-  ctx.globalAlpha = 1;
+  ctx.globalAlpha = 1; ctx.textBaseline = "middle";
   const label = (t, x, i, align, on) => { ctx.textAlign = align; ctx.fillStyle = on ? "#2f6fde" : "#1d2330";
-    ctx.font = (on ? "600 " : "") + "13px system-ui, sans-serif"; ctx.fillText(clip(t, tw - 12), x, yOf(i)); };
-  qt.forEach((t, i) => label(t, x0 - 6, i, "right", hover && hover.side === "q" && hover.i === i));
-  kt.forEach((t, i) => label(t, x1 + 6, i, "left", hover && hover.side === "k" && hover.i === i));
+    ctx.font = (on ? "600 " : "") + "13px system-ui, sans-serif"; ctx.fillText(clip(t, g.tw - 12), x, yOf(i)); };
+  const first = Math.max(0, Math.floor(lo / g.rowH)), last = Math.ceil(hi / g.rowH);
+  for (let i = first; i < Math.min(last, g.nq); i++) label(shown.qt[i], x0 - 6, i, "right", qk === i);
+  for (let i = first; i < Math.min(last, g.nk); i++) label(shown.kt[i], x1 + 6, i, "left", kk === i);
 }
 function clip(t, w) { if (hctx.measureText(t).width <= w) return t; while (t.length > 1 &&
   hctx.measureText(t + "\\u2026").width > w) t = t.slice(0, -1); return t + "\\u2026"; }
+let frame = 0;
+hvbox.addEventListener("scroll", () => { if (!frame) frame = requestAnimationFrame(() => { frame = 0; paint(); }); });
 hv.addEventListener("mousemove", (e) => {
   if (!geom) return;
-  const r = hv.getBoundingClientRect(), x = e.clientX - r.left, y = e.clientY - r.top;
+  const r = hv.getBoundingClientRect(), x = e.clientX - r.left, y = e.clientY - r.top + hvbox.scrollTop;
   const i = Math.floor((y - 6) / geom.rowH);
   let h = null;
   if (x < geom.tw && i >= 0 && i < geom.nq) h = { side: "q", i: i };
   else if (x > geom.tw + geom.gap && i >= 0 && i < geom.nk) h = { side: "k", i: i };
-  if (JSON.stringify(h) !== JSON.stringify(hover)) { hover = h; drawHeadView(); }
+  if (JSON.stringify(h) !== JSON.stringify(hover)) { hover = h; paint(); }
 });
-hv.addEventListener("mouseleave", () => { if (hover) { hover = null; drawHeadView(); } });
+hv.addEventListener("mouseleave", () => { if (hover) { hover = null; paint(); } });
 
 // ---- statistics table ----
 const cols = Object.keys(D.columns);

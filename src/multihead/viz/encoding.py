@@ -230,6 +230,18 @@ THUMB = 96
 """The largest side of a thumbnail, in pixels (a head of more tokens is pooled down to it)."""
 
 
+def _pool_rows(q: Tensor, side: int) -> Tensor:
+    """(..., N, M) -> (..., R, M), R = min(side, N): row r the largest of rows i with floor(i R / N) == r."""
+    n = q.shape[-2]
+    out = min(side, n)
+    edges = [(r * n + out - 1) // out for r in range(out + 1)]  # block r: rows ceil(r n / out) on
+    width = max(b - a for a, b in zip(edges, edges[1:]))
+    # each block's rows, the last repeated up to the widest block's count (a repeat leaves the max as it is)
+    rows = torch.tensor([[min(a + k, b - 1) for k in range(width)] for a, b in zip(edges, edges[1:])])
+    picked = q.index_select(-2, rows.flatten())  # (..., R * width, M)
+    return picked.view(*q.shape[:-2], out, width, q.shape[-1]).amax(-2)  # (..., R, M)
+
+
 def thumbnail(q: Tensor, side: int = THUMB) -> Tensor:
     """Quantised weights (..., Lq, Lk) uint8 max-pooled to (..., R, C), R = min(side, Lq), C = min(side, Lk).
 
@@ -242,12 +254,8 @@ def thumbnail(q: Tensor, side: int = THUMB) -> Tensor:
     """
     if side < 1:
         raise ValueError(f"side must be at least 1 pixel, got {side}")
-    for dim in (q.dim() - 2, q.dim() - 1):
-        n = q.shape[dim]
-        out = min(side, n)
-        edges = [(r * n + out - 1) // out for r in range(out + 1)]  # block r: ceil(r n / out) on
-        q = torch.stack([q.narrow(dim, a, b - a).amax(dim) for a, b in zip(edges, edges[1:])], dim)
-    return q  # (..., R, C)
+    rows = _pool_rows(q, side)  # (..., R, Lk)
+    return _pool_rows(rows.transpose(-1, -2), side).transpose(-1, -2)  # (..., R, C)
 
 
 def _blues(top: int) -> bytes:

@@ -560,3 +560,24 @@ def test_page_renders_offline_in_chromium_without_errors(capsys, tmp_path, folde
     image = np.asarray(Image.open(shot).convert("RGB"), dtype=np.int16)
     assert image.shape[:2] == (1000, 1400)
     assert image.std() > 20 and len(np.unique(image.reshape(-1, 3), axis=0)) > 50  # not blank
+
+
+def test_long_page_renders_pooled_thumbnails_and_the_head_view_in_chromium(tmp_path):
+    """300 tokens: thumbnails pooled to 96 x 96, a head view taller than its box (only the rows in view
+    drawn): the page draws everything without an error."""
+    from PIL import Image
+
+    _need_chromium()
+    n = 300
+    w = torch.softmax(torch.randn(2, 2, n, n), dim=-1)  # (modules, H, L, L)
+    w[0, 0] = torch.eye(n)
+    modules = [page.PageModule(f"layers.{i}.attn", "self", w[i], "input", "input") for i in range(2)]
+    out, shot = tmp_path / "long.html", tmp_path / "long.png"
+    out.write_text(
+        page.build_page(modules, {"input": [f"t{i}" for i in range(n)]}, {"input": [False] * n}),
+        encoding="utf-8",
+    )
+    got = render(out, screenshot=shot)
+    assert got.console == [] and got.status == "ready", got
+    image = np.asarray(Image.open(shot).convert("RGB"), dtype=np.int16)
+    assert image.std() > 20 and len(np.unique(image.reshape(-1, 3), axis=0)) > 50  # not blank

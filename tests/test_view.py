@@ -7,7 +7,6 @@ bad folders give one-line :class:`NotACheckpoint` errors naming the folder and t
 from __future__ import annotations
 
 import base64
-import io
 import json
 import math
 import os
@@ -171,9 +170,7 @@ class _Page(HTMLParser):
 def read_page(path):
     """The page's embedded data (checked to be well-formed, offline HTML) with every head decoded to
     float64 arrays (H, Lq, Lk) and every thumbnail to uint8 pixels (H, R, C): our own decoder of the
-    documented format and PIL's of the PNGs, not the library's."""
-    from PIL import Image
-
+    documented format, not the library's."""
     text = path.read_text(encoding="utf-8")
     assert text.startswith("<!DOCTYPE html>")
     parser = _Page()
@@ -186,9 +183,8 @@ def read_page(path):
         lq, lk = len(data["sequences"][m["q"]]), len(data["sequences"][m["k"]])
         raw = [np.frombuffer(zlib.decompress(base64.b64decode(b)), dtype=np.uint8) for b in m["blobs"]]
         m["weights"] = np.stack([r.reshape(lk, lq).T for r in raw]).astype(np.float64) / 255  # (H, Lq, Lk)
-        pngs = [Image.open(io.BytesIO(base64.b64decode(t))) for t in m["thumbs"]]
-        assert all(p.format == "PNG" and p.mode == "P" for p in pngs)
-        m["thumbs"] = np.stack([np.asarray(p) for p in pngs])  # (H, R, C)
+        raw = np.frombuffer(zlib.decompress(base64.b64decode(m["thumbs"])), dtype=np.uint8)
+        m["thumbs"] = raw.reshape(len(m["blobs"]), *m["thumb"])  # (H, R, C)
     return data
 
 
@@ -564,7 +560,7 @@ def test_page_renders_offline_in_chromium_without_errors(capsys, tmp_path, folde
 
 def test_long_page_renders_pooled_thumbnails_and_the_head_view_in_chromium(tmp_path):
     """300 tokens: thumbnails pooled to 96 x 96, a head view taller than its box (only the rows in view
-    drawn): the page draws everything without an error."""
+    drawn): the page draws everything without an error; a broken thumbnail sets its status to error."""
     from PIL import Image
 
     _need_chromium()
@@ -581,3 +577,7 @@ def test_long_page_renders_pooled_thumbnails_and_the_head_view_in_chromium(tmp_p
     assert got.console == [] and got.status == "ready", got
     image = np.asarray(Image.open(shot).convert("RGB"), dtype=np.int16)
     assert image.std() > 20 and len(np.unique(image.reshape(-1, 3), axis=0)) > 50  # not blank
+    thumb = modules[1].encode([False] * n).thumbs
+    out.write_text(out.read_text(encoding="utf-8").replace(thumb, thumb[:40]), encoding="utf-8")  # cut short
+    broken = render(out)
+    assert broken.status == "error" and broken.console, broken

@@ -6,9 +6,9 @@ Dimensions: H heads, Lq query length, Lk key length, R x C a thumbnail's rows x 
 A head's weights travel quantised and compressed: rounded to uint8 (``q = round(255 * w)``, so an entry
 is off by at most 1/510; most weights of a long text round to 0, which deflates well), deflated with
 :mod:`zlib` and base64-encoded (:func:`encode_head`). Its thumbnail in the page's model view is computed
-here too (:func:`thumbnail`, :func:`thumbnail_png`): the quantised weights max-pooled to at most
-``THUMB`` x ``THUMB`` pixels, as an indexed PNG the browser draws itself, so opening the page inflates
-no head: a full head is inflated only when the head view shows it. A module is encoded on its own
+here too (:func:`thumbnail`): the quantised weights max-pooled to at most ``THUMB`` x ``THUMB`` pixels,
+deflated and base64-encoded a module at a time, so opening the page inflates 9 KiB per head, not the
+head: a full head is inflated only when the head view shows it. A module is encoded on its own
 (:func:`encode_module`: statistics, blobs and thumbnails, no tensor kept), so a caller can encode each
 module as the model runs and never hold every head's float weights at once.
 """
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import base64
 import math
-import struct
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,7 +33,6 @@ __all__ = [
     "encode_module",
     "head_stats",
     "thumbnail",
-    "thumbnail_png",
 ]
 
 STAT_COLUMNS = {
@@ -85,8 +83,9 @@ class EncodedModule:
     """One attention module as the page carries it: per-head statistics, compressed weights and thumbnails,
     no tensor.
 
-    ``blobs`` hold one head each (:func:`encode_head`'s format) of ``shape`` (Lq, Lk); ``thumbs`` one
-    base64 PNG per head (:func:`thumbnail_png` of :func:`thumbnail`); ``stats`` are
+    ``blobs`` hold one head each (:func:`encode_head`'s format) of ``shape`` (Lq, Lk); ``thumbs`` the
+    heads' thumbnails (H, R, C), ``thumb_shape`` = (R, C) (:func:`thumbnail`), in one base64 of zlib of
+    their bytes (head by head, row by row); ``stats`` are
     ``{column of STAT_COLUMNS: H values}`` (None where undefined). At 1,000 tokens about 1/70 of the
     float32 weights' memory (most weights round to 0 and deflate away), so a whole model's fits where its
     float weights would not. Made by :func:`encode_module` or :meth:`PageModule.encode`.
@@ -99,13 +98,18 @@ class EncodedModule:
     shape: tuple[int, int]
     stats: Mapping[str, Sequence[float | None]]
     blobs: Sequence[str]
-    thumbs: Sequence[str]
+    thumbs: str
     importance: Sequence[float] | None = field(default=None)
 
     @property
     def heads(self) -> int:
         """H, the number of heads."""
         return len(self.blobs)
+
+    @property
+    def thumb_shape(self) -> tuple[int, int]:
+        """(R, C), a thumbnail's shape: (min(THUMB, Lq), min(THUMB, Lk))."""
+        return (min(THUMB, self.shape[0]), min(THUMB, self.shape[1]))
 
     def encode(self, special: Sequence[bool]) -> EncodedModule:
         """Already encoded: itself (its statistics were computed with the key flags it was encoded with)."""
@@ -163,6 +167,11 @@ def _quantize(weights: Tensor) -> Tensor:
     return w.mul(255).add_(0.5).clamp_(0, 255).to(torch.uint8)  # conversion truncates: floor of x >= 0
 
 
+def _deflate(q: Tensor, level: int) -> str:
+    """uint8 (N, M) -> base64 of zlib (at ``level``) of its bytes row by row."""
+    return base64.b64encode(zlib.compress(q.contiguous().numpy().tobytes(), level)).decode("ascii")
+
+
 def _pack(q: Tensor) -> str:
     """uint8 (Lq, Lk) -> base64 of zlib (level 5) of its bytes key-major: row j holds key j's Lq weights.
 
@@ -170,7 +179,7 @@ def _pack(q: Tensor) -> str:
     that draws attention draws it from many queries; a causal key gets none from the queries before it):
     on a 1,000-token text the deflated bytes are about a quarter fewer than row-major, and deflate faster.
     """
-    return base64.b64encode(zlib.compress(q.t().contiguous().numpy().tobytes(), 5)).decode("ascii")
+    return _deflate(q.t(), 5)
 
 
 def encode_head(weights: Tensor) -> str:
@@ -194,7 +203,8 @@ def encode_module(
     importance: Sequence[float] | None = None,
 ) -> EncodedModule:
     """One module's weights (H, Lq, Lk) (on any device) encoded for the page: statistics, and per head a
-    blob (:func:`encode_head`) and a thumbnail (base64 of :func:`thumbnail_png` of :func:`thumbnail`).
+    blob (:func:`encode_head`) and a thumbnail (:func:`thumbnail`; all of them deflated in one blob at
+    level 9 and base64-encoded).
 
     ``special`` (Lk,) flags the special key tokens; the position statistics are computed when
     ``queries == keys`` (self-attention). The result holds no reference to ``weights``.
@@ -213,7 +223,7 @@ def encode_module(
         (w.shape[1], w.shape[2]),
         {k: [_finite(v) for v in s.tolist()] for k, s in stats.items()},
         [_pack(q[i]) for i in range(q.shape[0])],
-        [base64.b64encode(thumbnail_png(t)).decode("ascii") for t in thumbs],
+        _deflate(thumbs.reshape(-1, thumbs.shape[-1]), 9),  # (H * R, C)
         importance,
     )
 
@@ -256,42 +266,3 @@ def thumbnail(q: Tensor, side: int = THUMB) -> Tensor:
         raise ValueError(f"side must be at least 1 pixel, got {side}")
     rows = _pool_rows(q, side)  # (..., R, Lk)
     return _pool_rows(rows.transpose(-1, -2), side).transpose(-1, -2)  # (..., R, C)
-
-
-def _blues(top: int) -> bytes:
-    """The palette for uint8 values 0..top: white to dark blue on a square-root scale over
-    ``max(top, 64)`` (a weight of 0.25), so a head whose largest weight is small stays pale."""
-    scale = max(top, 64)
-    rgb = []
-    for v in range(top + 1):
-        x = math.sqrt(v / scale)
-        rgb += [round(255 - 243 * x), round(255 - 194 * x), round(255 - 110 * x)]
-    return bytes(rgb)
-
-
-def _chunk(kind: bytes, data: bytes) -> bytes:
-    """One PNG chunk: length, type, data, CRC-32 of type and data."""
-    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-
-def thumbnail_png(pixels: Tensor) -> bytes:
-    """One head's thumbnail (R, C) uint8 (:func:`thumbnail`) as an 8-bit indexed PNG (bytes).
-
-    The pixel values are the pooled uint8 weights themselves; the palette (entries 0 to the largest
-    value: :func:`_blues`) draws them on the page's scale, square root of the weight over the head's
-    largest (or over 0.25 when that is smaller). Each row is stored unfiltered, deflated at level 9.
-    """
-    if pixels.dim() != 2 or pixels.dtype != torch.uint8:
-        raise ValueError(f"pixels must be (R, C) uint8, got {tuple(pixels.shape)} {pixels.dtype}")
-    rows, cols = pixels.shape
-    raw = torch.cat([pixels.new_zeros(rows, 1), pixels], dim=1)  # (R, 1 + C): filter type 0 per row
-    header = struct.pack(">IIBBBBB", cols, rows, 8, 3, 0, 0, 0)  # 8-bit palette, no interlace
-    return b"".join(
-        [
-            b"\x89PNG\r\n\x1a\n",
-            _chunk(b"IHDR", header),
-            _chunk(b"PLTE", _blues(int(pixels.max()))),
-            _chunk(b"IDAT", zlib.compress(raw.contiguous().numpy().tobytes(), 9)),
-            _chunk(b"IEND", b""),
-        ]
-    )

@@ -6,9 +6,9 @@ The page works from ``file://`` with no network: the script and style are inline
 carries of each module is made by :mod:`.encoding` (re-exported here): per-head statistics
 (:func:`head_stats`), each head's weights as uint8, deflated and base64-encoded (:func:`encode_head`; a
 512-token text on a 6 x 12-head model: about 2.6 MiB; 1,000 tokens on a 30 x 9-head causal LM: about
-13 MiB), and each head's thumbnail, its weights max-pooled to at most 96 x 96 pixels as a PNG
-(:func:`thumbnail`). The page draws on canvas and ``<img>``: a model view (the thumbnail of each layer x
-head, drawn by the browser's own PNG decoder: opening the page inflates no head), a head view
+13 MiB), and each head's thumbnail, its weights max-pooled to at most 96 x 96 pixels, packed the same
+way (:func:`thumbnail`). The page draws on canvas: a model view (the thumbnail of each layer x head:
+opening the page inflates 9 KiB per head, not the head's weights), a head view
 (token-to-token lines of the heads picked, opacity = weight, hover a token to focus on it; a head is
 inflated by the browser's ``DecompressionStream`` only when it is shown there, a few kept in memory)
 and a sortable table of per-head statistics, with head importance when given. Nothing here imports
@@ -30,7 +30,6 @@ from .encoding import (
     encode_module,
     head_stats,
     thumbnail,
-    thumbnail_png,
 )
 
 __all__ = [
@@ -43,7 +42,6 @@ __all__ = [
     "encode_module",
     "head_stats",
     "thumbnail",
-    "thumbnail_png",
 ]
 
 
@@ -87,7 +85,8 @@ def build_page(
                 "stats": e.stats,
                 "importance": None if e.importance is None else [round(float(x), 5) for x in e.importance],
                 "blobs": list(e.blobs),
-                "thumbs": list(e.thumbs),
+                "thumb": list(e.thumb_shape),
+                "thumbs": e.thumbs,
             }
         )
     data = {
@@ -122,7 +121,7 @@ section{margin:0 0 22px}
 .grid .col{font-size:12px;color:var(--mut);text-align:center}
 .thumb{position:relative;cursor:pointer;border:1px solid var(--line);border-radius:3px;background:#fff;
  line-height:0}
-.thumb img{display:block;width:100%;height:auto;image-rendering:pixelated;border-radius:2px}
+.thumb canvas{display:block;width:100%;height:auto;image-rendering:pixelated;border-radius:2px}
 .thumb.sel{outline:3px solid var(--acc);outline-offset:1px}
 .thumb .imp{position:absolute;left:0;bottom:0;height:3px;background:#e8590c;border-radius:0 2px 0 2px}
 .layout{display:flex;gap:24px;flex-wrap:wrap;align-items:flex-start}
@@ -182,18 +181,22 @@ function fail(msg) { document.body.dataset.status = "error"; $("status").textCon
 window.addEventListener("error", (e) => fail(e.message));
 window.addEventListener("unhandledrejection", (e) => fail(String(e.reason)));
 
-// ---- decoding: base64 -> inflate -> {q: uint8 (Lk*Lq) key-major, weight of (i, j) = q[j * lq + i] / 255} ----
+// ---- decoding: base64 -> inflate -> uint8 bytes of the length the module says ----
+async function inflate(b64, n, what) {
+  const bin = atob(b64), bytes = new Uint8Array(bin.length);
+  for (let i = 0; i < bin.length; i++) bytes[i] = bin.charCodeAt(i);
+  const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("deflate"));
+  const out = new Uint8Array(await new Response(stream).arrayBuffer());
+  if (out.length !== n) throw new Error(what + ": " + out.length + " bytes, not " + n);
+  return out;
+}
+// a head: {q: uint8 (Lk*Lq) key-major, weight of (i, j) = q[j * lq + i] / 255}; the last few kept
 const cache = new Map(), CACHE_MAX = 6;
 async function head(mi, h) {
   const key = mi + ":" + h;
   if (cache.has(key)) { const v = cache.get(key); cache.delete(key); cache.set(key, v); return v; }
-  const b64 = D.modules[mi].blobs[h], bin = atob(b64), bytes = new Uint8Array(bin.length);
-  for (let i = 0; i < bin.length; i++) bytes[i] = bin.charCodeAt(i);
-  const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("deflate"));
-  const buf = await new Response(stream).arrayBuffer();
   const mod = D.modules[mi], lq = D.sequences[mod.q].length, lk = D.sequences[mod.k].length;
-  const v = { q: new Uint8Array(buf), lq: lq, lk: lk };
-  if (v.q.length !== lq * lk) throw new Error(mod.name + " head " + h + ": " + v.q.length + " bytes, not " + lq * lk);
+  const v = { q: await inflate(mod.blobs[h], lq * lk, mod.name + " head " + h), lq: lq, lk: lk };
   cache.set(key, v);
   if (cache.size > CACHE_MAX) cache.delete(cache.keys().next().value);
   return v;
@@ -203,7 +206,7 @@ async function head(mi, h) {
 $("title").textContent = D.title;
 for (const k in D.facts) { const s = el("span"); s.append(el("b", null, k + ": "), D.facts[k]); $("facts").append(s); }
 
-// ---- model view: each head's thumbnail, a PNG made with the data (max-pooled, its own palette) ----
+// ---- model view: each head's thumbnail, its weights max-pooled to at most 96 x 96 by the command ----
 const thumbs = [];
 let maxImp = 0;
 for (const m of D.modules) if (m.importance) for (const x of m.importance) maxImp = Math.max(maxImp, x);
@@ -223,15 +226,15 @@ for (const g of groups) {
     for (let h = 0; h < maxH; h++) {
       if (h >= m.heads) { grid.append(el("div")); continue; }
       const box = el("div", { class: "thumb", title: m.name + " head " + h });
-      const img = el("img", { alt: "", src: "data:image/png;base64," + m.thumbs[h] });
-      box.append(img);
+      const cv = el("canvas", { width: m.thumb[1], height: m.thumb[0] });
+      box.append(cv);
       if (m.importance && maxImp > 0) {
         const bar = el("div", { class: "imp" }); bar.style.width = (100 * m.importance[h] / maxImp) + "%";
         box.append(bar); box.title += " (importance " + m.importance[h].toFixed(3) + ")";
       }
       box.addEventListener("click", () => select(mi, [h]));
       grid.append(box);
-      thumbs.push({ mi: mi, h: h, img: img, box: box });
+      thumbs.push({ mi: mi, h: h, cv: cv, box: box });
     }
   }
   $("models").append(grid);
@@ -239,6 +242,21 @@ for (const g of groups) {
 function shortName(n) { const p = n.split("."), num = p.filter((x) => /^\\d+$/.test(x));
   const side = p.slice(0, -1).find((x) => x === "encoder" || x === "decoder");
   return (side ? side + " " : "") + (num.length ? "layer " + num.join(".") + " " : "") + p[p.length - 1]; }
+
+async function drawThumbs(mi) {  // one module's: one blob, (heads, R, C) row by row
+  const m = D.modules[mi], [R, C] = m.thumb, px = await inflate(m.thumbs, m.heads * R * C, m.name + " thumbnails");
+  for (const t of thumbs) if (t.mi === mi) drawThumb(t, px.subarray(t.h * R * C, (t.h + 1) * R * C));
+}
+function drawThumb(t, px) {
+  const W = t.cv.width, H = t.cv.height, ctx = t.cv.getContext("2d"), img = ctx.createImageData(W, H);
+  let top = 64;  // the head's largest weight, at least 0.25: a uniform head stays pale
+  for (let p = 0; p < W * H; p++) if (px[p] > top) top = px[p];
+  for (let p = 0; p < W * H; p++) {
+    const x = Math.sqrt(px[p] / top), o = 4 * p;
+    img.data[o] = 255 - x * 243; img.data[o + 1] = 255 - x * 194; img.data[o + 2] = 255 - x * 110; img.data[o + 3] = 255;
+  }
+  ctx.putImageData(img, 0, 0);
+}
 
 // ---- head view: tokens in two columns, lines for the selected heads ----
 const hv = $("hv"), hctx = hv.getContext("2d"), hvbox = $("hvbox"), hvspace = $("hvspace");
@@ -357,14 +375,14 @@ function sortBy(ci, th) {
   th.classList.add(sortState.dir > 0 ? "asc" : "desc");
 }
 
-// ---- start: head view of the first module, and every thumbnail decoded ----
+// ---- start: head view of the first module, and every thumbnail ----
 (async function () {
   const t0 = performance.now();
   // page.html#module=2&heads=0,3 opens the head view on module 2, heads 0 and 3
   const arg = new URLSearchParams(location.hash.slice(1)), mi = Math.min(D.modules.length - 1, +(arg.get("module") || 0));
   const hs = (arg.get("heads") || "0").split(",").map(Number).filter((h) => h >= 0 && h < D.modules[mi].heads);
   await select(mi >= 0 ? mi : 0, hs.length ? hs : [0]);
-  await Promise.all(thumbs.map((t) => t.img.decode()));  // rejects (-> error status) if one is broken
+  await Promise.all(D.modules.map((m, mi) => drawThumbs(mi)));
   const ms = Math.round(performance.now());
   $("status").textContent = thumbs.length + " heads drawn in " + Math.round(performance.now() - t0) + " ms";
   if (document.body.dataset.status === "loading") { document.body.dataset.status = "ready"; document.body.dataset.ms = ms; }

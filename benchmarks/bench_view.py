@@ -284,8 +284,8 @@ def markdown(r: dict) -> str:
         "",
         *_smollm2_table(r),
         "",
-        f"The page renders in headless Chromium in {_iqr(rd['after']['render_s'])} (every thumbnail decoded and "
-        f"the head view drawn; an empty page: {_iqr(rd['blank']['render_s'])}); one whole `chromium --headless "
+        f"The page renders in headless Chromium in {_iqr(rd['after']['render_s'])} (every thumbnail and the head "
+        f"view drawn; an empty page: {_iqr(rd['blank']['render_s'])}); one whole `chromium --headless "
         f"--dump-dom` run of it takes {rd['after']['browser_process_wall_s']:.1f} s"
         + (f"; *before*'s page: {_iqr(rd['before']['render_s'])}." if "before" in rd else "."),
         "",
@@ -304,11 +304,11 @@ def markdown(r: dict) -> str:
         "",
         f"*Render*: {r['rounds']} interleaved rounds (balanced orders), real seconds from telling an already "
         "started headless Chromium (DevTools protocol, every host name unresolvable) to open the page from "
-        "file:// until the page reports every thumbnail decoded and the head view drawn. Median [IQR]. "
-        "Weights travel as uint8 (error <= 1/510), deflated per head and base64-encoded; each head's thumbnail "
-        "is made by the command (the uint8 weights max-pooled to at most 96 x 96, an indexed PNG the browser "
-        "decodes itself), so the page inflates a head (DecompressionStream) only when the head view shows it, "
-        "and the head view draws only the rows scrolled into view. The command encodes each module's weights "
+        "file:// until the page reports every thumbnail and the head view drawn. Median [IQR]. Weights travel "
+        "as uint8 (error <= 1/510), deflated per head and base64-encoded; each head's thumbnail is made by the "
+        "command (the uint8 weights max-pooled to at most 96 x 96, a module's deflated in one blob), so opening "
+        "the page inflates (DecompressionStream) 9 KiB per head and only the head the head view shows, which "
+        "draws only the rows scrolled into view. The command encodes each module's weights "
         "as soon as the module has run (`viz.stream`) and keeps no float weights. Reproduce: "
         "`python benchmarks/bench_view.py [--before OLD/src]` (needs chromium and the dev extra).",
         "",

@@ -5,13 +5,13 @@ Dimensions: H heads, Lq query length, Lk key length.
 The page works from ``file://`` with no network: the script and style are inline, written here. What it
 carries of each module is made by :mod:`.encoding` (re-exported here): per-head statistics
 (:func:`head_stats`), each head's weights as uint8, deflated and base64-encoded (:func:`encode_head`; a
-512-token text on a 6 x 12-head model: about 2.6 MiB; 1,000 tokens on a 30 x 9-head causal LM: about
-13 MiB), and each head's thumbnail, its weights max-pooled to at most 96 x 96 pixels, packed the same
-way (:func:`thumbnail`). The page draws on canvas: a model view (the thumbnail of each layer x head:
-opening the page inflates 9 KiB per head, not the head's weights), a head view
+512-token text on a 6 x 12-head model: about 2.8 MiB with the thumbnails; 1,000 tokens on a 30 x 9-head
+causal LM: about 12.9 MiB), and each head's thumbnail, its weights max-pooled to at most 96 x 96 pixels,
+packed the same way (:func:`thumbnail`). The page draws on canvas: a model view (the thumbnail of each
+layer x head: opening the page inflates 9 KiB per head, not the head's weights), a head view
 (token-to-token lines of the heads picked, opacity = weight, hover a token to focus on it; a head is
-inflated by the browser's ``DecompressionStream`` only when it is shown there, a few kept in memory)
-and a sortable table of per-head statistics, with head importance when given. Nothing here imports
+inflated by the browser's ``DecompressionStream`` only when it is shown there, a few kept in memory) and
+a sortable table of per-head statistics, with head importance when given. Nothing here imports
 transformers or matplotlib.
 """
 

@@ -50,8 +50,8 @@ STAT_COLUMNS = {
 class PageModule:
     """One attention module for the page: its weights (H, Lq, Lk) and which token sequences they join.
 
-    ``queries`` and ``keys`` name sequences of :func:`build_page`'s ``sequences`` (``"input"``, or
-    ``"encoder"`` / ``"decoder"`` for an encoder-decoder's cross-attention).
+    ``queries`` and ``keys`` name sequences of :func:`~multihead.viz.page.build_page`'s ``sequences``
+    (``"input"``, or ``"encoder"`` / ``"decoder"`` for an encoder-decoder's cross-attention).
     """
 
     name: str

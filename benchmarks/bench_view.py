@@ -7,9 +7,10 @@ Two checkpoints:
   packages ``requirements-dev.txt`` pins (``benchmarks/data/corpora.py``), joined and cut at the 1,000th
   token of the model's tokenizer. The command runs as its own process, once plain and once with
   ``--importance``; reported: its wall time and peak resident set (the child's ``ru_maxrss``, from
-  ``os.wait4``), and the page's size. Targets: <= 20 s, <= 1.5 GiB, <= 16 MiB, a browser opens it in seconds,
-  and ``--importance`` in about a minute. ``--before SRC`` also runs the same two commands from another
-  source tree (``PYTHONPATH=SRC``, e.g. a checkout of the commit before a change), interleaved with these.
+  ``os.wait4``), and the page's size. Targets: <= 20 s, <= 1.5 GiB, <= 16 MiB, a browser opens it in about a second
+  or two, and ``--importance`` in about a minute. ``--before SRC`` also runs the same two commands from another
+  source tree (``PYTHONPATH=SRC``, e.g. a checkout of the commit before a change), interleaved with these,
+  and renders its plain page in the same rounds as this tree's.
 * all-MiniLM-L6-v2 (``BertModel``, 6 layers x 12 heads; :func:`multihead.testing.minilm_dir`) at 512 tokens,
   and at 1,024 from a copy of it whose position table is the original's repeated twice (config, tokenizer
   limit and weights edited; the patterns stay realistic, the model is not meant for that length).
@@ -188,7 +189,8 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict:
     commands.update(more)
     blank = tmp / "blank.html"
     blank.write_text('<!DOCTYPE html><html><body data-status="ready" data-ms="0"></body></html>')
-    shown = {"blank": blank, "after": pages["after"], **minilm}
+    before = {"before": pages["before"]} if args.before else {}  # its page too, in the same rounds
+    shown = {"blank": blank, **before, "after": pages["after"], **minilm}
     renders = render_times(shown, 1 if args.quick else args.rounds)
     m = machine()
     return {
@@ -284,7 +286,8 @@ def markdown(r: dict) -> str:
         "",
         f"The page renders in headless Chromium in {_iqr(rd['after']['render_s'])} (every thumbnail and the head "
         f"view drawn; an empty page: {_iqr(rd['blank']['render_s'])}); one whole `chromium --headless "
-        f"--dump-dom` run of it takes {rd['after']['browser_process_wall_s']:.1f} s.",
+        f"--dump-dom` run of it takes {rd['after']['browser_process_wall_s']:.1f} s"
+        + (f"; *before*'s page: {_iqr(rd['before']['render_s'])}." if "before" in rd else "."),
         "",
         "## all-MiniLM-L6-v2 (6 layers x 12 heads)",
         "",
@@ -302,9 +305,11 @@ def markdown(r: dict) -> str:
         f"*Render*: {r['rounds']} interleaved rounds (balanced orders), real seconds from telling an already "
         "started headless Chromium (DevTools protocol, every host name unresolvable) to open the page from "
         "file:// until the page reports every thumbnail and the head view drawn. Median [IQR]. Weights travel "
-        "as uint8 (error <= 1/510), deflated per head and base64-encoded; the page inflates a head with the "
-        "browser's DecompressionStream only when it draws it. The command encodes each module's weights as "
-        "soon as the module has run (`viz.stream`) and keeps no float weights. Reproduce: "
+        "as uint8 (error <= 1/510), deflated per head and base64-encoded; each head's thumbnail is made by the "
+        "command (the uint8 weights max-pooled to at most 96 x 96, a module's deflated in one blob), so opening "
+        "the page inflates (DecompressionStream) 9 KiB per head and only the head the head view shows, which "
+        "draws only the rows scrolled into view. The command encodes each module's weights "
+        "as soon as the module has run (`viz.stream`) and keeps no float weights. Reproduce: "
         "`python benchmarks/bench_view.py [--before OLD/src]` (needs chromium and the dev extra).",
         "",
     ]

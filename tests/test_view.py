@@ -169,7 +169,8 @@ class _Page(HTMLParser):
 
 def read_page(path):
     """The page's embedded data (checked to be well-formed, offline HTML) with every head decoded to
-    float64 arrays (H, Lq, Lk): our own decoder of the documented format, not the library's."""
+    float64 arrays (H, Lq, Lk) and every thumbnail to uint8 pixels (H, R, C): our own decoder of the
+    documented format, not the library's."""
     text = path.read_text(encoding="utf-8")
     assert text.startswith("<!DOCTYPE html>")
     parser = _Page()
@@ -182,6 +183,8 @@ def read_page(path):
         lq, lk = len(data["sequences"][m["q"]]), len(data["sequences"][m["k"]])
         raw = [np.frombuffer(zlib.decompress(base64.b64decode(b)), dtype=np.uint8) for b in m["blobs"]]
         m["weights"] = np.stack([r.reshape(lk, lq).T for r in raw]).astype(np.float64) / 255  # (H, Lq, Lk)
+        raw = np.frombuffer(zlib.decompress(base64.b64decode(m["thumbs"])), dtype=np.uint8)
+        m["thumbs"] = raw.reshape(len(m["blobs"]), *m["thumb"])  # (H, R, C)
     return data
 
 
@@ -211,6 +214,13 @@ def stats_by_loops(w, special, self_attention):
     else:
         out.update(distance=None, previous=None, same=None)
     return out
+
+
+def check_thumbs(module, weights):
+    """Under 96 tokens a thumbnail pools nothing: its pixels are the weights (H, Lq, Lk) rounded to uint8,
+    within one level (the oracle's weights differ from multihead's by float rounding)."""
+    assert max(weights.shape[1:]) <= 96 and module["thumbs"].shape == weights.shape
+    assert np.abs(module["thumbs"].astype(np.int64) - np.floor(255 * weights + 0.5)).max() <= 1
 
 
 def check_stats(module, weights, special, self_attention):
@@ -246,6 +256,7 @@ def test_view_minilm_page_holds_the_captured_weights_stats_and_importance(capsys
         assert m["kind"] == "encoder self" and m["weights"].shape == w.shape == (12, len(tok), len(tok))
         assert np.abs(m["weights"] - w).max() <= 1 / 510 + 1e-6  # uint8 quantisation
         check_stats(m, w, data["special"]["input"], True)
+        check_thumbs(m, w)
         imp = np.array(m["importance"])
         assert imp.shape == (12,) and (imp >= 0).all() and np.linalg.norm(imp) == pytest.approx(1, abs=1e-4)
 
@@ -272,6 +283,7 @@ def test_view_decoder_page_is_causal(capsys, tmp_path, folders):
         assert np.abs(m["weights"] - w).max() <= 1 / 510 + 1e-6
         assert (np.triu(m["weights"], k=1) == 0).all()  # nothing after the query
         check_stats(m, w, data["special"]["input"], True)
+        check_thumbs(m, w)
         assert len(m["importance"]) == 4
 
 
@@ -314,6 +326,7 @@ def test_view_encoder_decoder_page_has_every_attention(capsys, tmp_path, folders
             w = w[0].double().numpy()
             assert m["weights"].shape == w.shape and np.abs(m["weights"] - w).max() <= 1 / 510 + 1e-6
             check_stats(m, w, data["special"][m["k"]], kind != "cross")
+            check_thumbs(m, w)
         assert len(got) == 2
 
 
@@ -543,3 +556,28 @@ def test_page_renders_offline_in_chromium_without_errors(capsys, tmp_path, folde
     image = np.asarray(Image.open(shot).convert("RGB"), dtype=np.int16)
     assert image.shape[:2] == (1000, 1400)
     assert image.std() > 20 and len(np.unique(image.reshape(-1, 3), axis=0)) > 50  # not blank
+
+
+def test_long_page_renders_pooled_thumbnails_and_the_head_view_in_chromium(tmp_path):
+    """300 tokens: thumbnails pooled to 96 x 96, a head view taller than its box (only the rows in view
+    drawn): the page draws everything without an error; a broken thumbnail sets its status to error."""
+    from PIL import Image
+
+    _need_chromium()
+    n = 300
+    w = torch.softmax(torch.randn(2, 2, n, n), dim=-1)  # (modules, H, L, L)
+    w[0, 0] = torch.eye(n)
+    modules = [page.PageModule(f"layers.{i}.attn", "self", w[i], "input", "input") for i in range(2)]
+    out, shot = tmp_path / "long.html", tmp_path / "long.png"
+    out.write_text(
+        page.build_page(modules, {"input": [f"t{i}" for i in range(n)]}, {"input": [False] * n}),
+        encoding="utf-8",
+    )
+    got = render(out, screenshot=shot)
+    assert got.console == [] and got.status == "ready", got
+    image = np.asarray(Image.open(shot).convert("RGB"), dtype=np.int16)
+    assert image.std() > 20 and len(np.unique(image.reshape(-1, 3), axis=0)) > 50  # not blank
+    thumb = modules[1].encode([False] * n).thumbs
+    out.write_text(out.read_text(encoding="utf-8").replace(thumb, thumb[:40]), encoding="utf-8")  # cut short
+    broken = render(out)
+    assert broken.status == "error" and broken.console, broken

@@ -1,12 +1,17 @@
 import base64
 import gc
 import json
+import math
 import re
 import weakref
+import zlib
 from html.parser import HTMLParser
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from toy_models import ToySeq2Seq, toy_inputs
 
 import multihead as mh
@@ -199,3 +204,63 @@ def test_plot_importance(tmp_path):
     read_png_size((tmp_path / "i.png").read_bytes())
     texts = [t.get_text() for t in fig.axes[0].texts]
     assert texts == ["0.10", "0.90", f"{float(scores['decoder.layers.0.cross_attn']):.2f}"]  # NaN cell blank
+
+
+# ------------------------------------------------------------------------------------------------
+# The page's thumbnails (multihead.viz.page): max-pooled uint8 weights in an indexed PNG
+# ------------------------------------------------------------------------------------------------
+
+
+def pool_by_hand(w, rows, cols):
+    """A head's weights (Lq, Lk) in [0, 1] as the documented thumbnail: each cell quantised to
+    round(255 w), pixel (r, c) the largest of the cells with floor(i rows / Lq) == r, floor(j cols / Lk) == c."""
+    lq, lk = len(w), len(w[0])
+    out = [[0] * cols for _ in range(rows)]
+    for i in range(lq):
+        for j in range(lk):
+            r, c = i * rows // lq, j * cols // lk
+            out[r][c] = max(out[r][c], int(math.floor(255 * float(w[i][j]) + 0.5)))
+    return out
+
+
+@settings(max_examples=30, deadline=None)
+@given(lq=st.integers(1, 60), lk=st.integers(1, 60), side=st.integers(1, 25), seed=st.integers(0, 2**16))
+def test_thumbnail_is_the_max_of_each_block(lq, lk, side, seed):
+    from multihead.viz import page
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 256, (2, lq, lk), dtype=torch.uint8, generator=g)  # (H, Lq, Lk)
+    got = page.thumbnail(q, side)
+    assert got.shape == (2, min(side, lq), min(side, lk)) and got.dtype == torch.uint8
+    for h in range(2):
+        assert got[h].tolist() == pool_by_hand(q[h].double().div(255).tolist(), min(side, lq), min(side, lk))
+
+
+@pytest.mark.parametrize(
+    ("lq", "lk", "queries"), [(250, 250, "a"), (130, 97, "b"), (40, 300, "b"), (5, 7, "b")]
+)
+def test_page_thumbnails_are_the_pooled_weights(lq, lk, queries):
+    """Decoded by hand (base64, zlib, H x R x C bytes, head by head, row by row): each head's thumbnail is the by-hand
+    max-pooling of its weights to at most 96 x 96; a one-cell diagonal keeps its full weight."""
+    from multihead.viz import page
+
+    torch.manual_seed(lq + lk)
+    w = torch.softmax(torch.randn(3, lq, lk) * 4, dim=-1)  # (H, Lq, Lk)
+    if queries == "a":
+        w[2] = torch.eye(lq)  # a sharp diagonal, one cell wide
+    e = page.encode_module("m", "self", w, queries, "a", [False] * lk)
+    rows, cols = min(96, lq), min(96, lk)
+    assert e.thumb_shape == (rows, cols)
+    raw = zlib.decompress(base64.b64decode(e.thumbs))
+    for h in range(3):
+        pixels = np.frombuffer(raw, dtype=np.uint8).reshape(3, rows, cols)[h]
+        assert pixels.tolist() == pool_by_hand(w[h].tolist(), rows, cols)
+    if queries == "a":
+        assert (np.diagonal(pixels) == 255).all()  # the diagonal survives the pooling at full strength
+
+
+def test_thumbnail_refuses_a_side_under_one_pixel():
+    from multihead.viz import page
+
+    with pytest.raises(ValueError, match="side must be at least 1 pixel, got 0"):
+        page.thumbnail(torch.zeros(2, 3, dtype=torch.uint8), 0)

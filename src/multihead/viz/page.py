@@ -2,224 +2,47 @@
 
 Dimensions: H heads, Lq query length, Lk key length.
 
-The page works from ``file://`` with no network: the script and style are inline, written here. Each
-head's weights travel quantised and compressed: rounded to uint8 (``q = round(255 * w)``, so an entry is
-off by at most 1/510; most weights of a long text round to 0, which deflates well), deflated with
-:mod:`zlib` and base64-encoded (a 512-token text on a 6 x 12-head model: about 2.9 MiB; 1,000 tokens on a
-30 x 9-head causal LM: about 15 MiB). A module is encoded on its own (:func:`encode_module`: statistics
-and blobs, no tensor kept), so a caller can encode each module as the model runs and never hold every
-head's float weights at once. The page inflates a head only when it draws it (the browser's
-``DecompressionStream``), keeps a few in memory, and draws on canvas: a model view (a thumbnail per
-layer x head), a head view (token-to-token lines of the heads picked, opacity = weight, hover a token to
-focus on it) and a sortable table of per-head statistics (:func:`head_stats`), with head importance when
-given. Nothing here imports transformers or matplotlib.
+The page works from ``file://`` with no network: the script and style are inline, written here. What it
+carries of each module is made by :mod:`.encoding` (re-exported here): per-head statistics
+(:func:`head_stats`), each head's weights as uint8, deflated and base64-encoded (:func:`encode_head`; a
+512-token text on a 6 x 12-head model: about 2.8 MiB with the thumbnails; 1,000 tokens on a 30 x 9-head
+causal LM: about 12.9 MiB), and each head's thumbnail, its weights max-pooled to at most 96 x 96 pixels,
+packed the same way (:func:`thumbnail`). The page draws on canvas: a model view (the thumbnail of each
+layer x head: opening the page inflates 9 KiB per head, not the head's weights), a head view
+(token-to-token lines of the heads picked, opacity = weight, hover a token to focus on it; a head is
+inflated by the browser's ``DecompressionStream`` only when it is shown there, a few kept in memory) and
+a sortable table of per-head statistics, with head importance when given. Nothing here imports
+transformers or matplotlib.
 """
 
 from __future__ import annotations
 
-import base64
 import html
 import json
-import math
-import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 
-import torch
-from torch import Tensor
+from .encoding import (
+    STAT_COLUMNS,
+    THUMB,
+    EncodedModule,
+    PageModule,
+    encode_head,
+    encode_module,
+    head_stats,
+    thumbnail,
+)
 
 __all__ = [
     "STAT_COLUMNS",
+    "THUMB",
     "EncodedModule",
     "PageModule",
     "build_page",
     "encode_head",
     "encode_module",
     "head_stats",
+    "thumbnail",
 ]
-
-STAT_COLUMNS = {
-    "entropy": "mean entropy of a query's attention, in nats (0: one key; ln Lk: uniform)",
-    "distance": "mean |query - key| position distance, weighted by attention (self-attention only)",
-    "first": "mean weight on the first token",
-    "special": "mean weight on the special tokens ([CLS], [SEP], <s>, ...)",
-    "previous": "mean weight on the token just before the query (self-attention only)",
-    "same": "mean weight a token gives to itself (self-attention only)",
-}
-"""The statistics of :func:`head_stats`, in table order, with the explanation the page shows."""
-
-
-@dataclass(frozen=True)
-class PageModule:
-    """One attention module for the page: its weights (H, Lq, Lk) and which token sequences they join.
-
-    ``queries`` and ``keys`` name sequences of :func:`build_page`'s ``sequences`` (``"input"``, or
-    ``"encoder"`` / ``"decoder"`` for an encoder-decoder's cross-attention).
-    """
-
-    name: str
-    kind: str
-    weights: Tensor
-    queries: str
-    keys: str
-    importance: Sequence[float] | None = field(default=None)
-
-    @property
-    def heads(self) -> int:
-        """H, the number of heads."""
-        return self.weights.shape[0]
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """(Lq, Lk), one head's shape."""
-        return (self.weights.shape[1], self.weights.shape[2])
-
-    def encode(self, special: Sequence[bool]) -> EncodedModule:
-        """This module as the page carries it (:func:`encode_module`); ``special`` (Lk,) flags the keys."""
-        return encode_module(
-            self.name, self.kind, self.weights, self.queries, self.keys, special, importance=self.importance
-        )
-
-
-@dataclass(frozen=True)
-class EncodedModule:
-    """One attention module as the page carries it: per-head statistics and compressed weights, no tensor.
-
-    ``blobs`` hold one head each (:func:`encode_head`'s format) of ``shape`` (Lq, Lk); ``stats`` are
-    ``{column of STAT_COLUMNS: H values}`` (None where undefined). At 1,000 tokens about 1/70 of the
-    float32 weights' memory (most weights round to 0 and deflate away), so a whole model's fits where its
-    float weights would not. Made by :func:`encode_module` or :meth:`PageModule.encode`.
-    """
-
-    name: str
-    kind: str
-    queries: str
-    keys: str
-    shape: tuple[int, int]
-    stats: Mapping[str, Sequence[float | None]]
-    blobs: Sequence[str]
-    importance: Sequence[float] | None = field(default=None)
-
-    @property
-    def heads(self) -> int:
-        """H, the number of heads."""
-        return len(self.blobs)
-
-    def encode(self, special: Sequence[bool]) -> EncodedModule:
-        """Already encoded: itself (its statistics were computed with the key flags it was encoded with)."""
-        return self
-
-    def head(self, h: int) -> Tensor:
-        """Head ``h``'s weights (Lq, Lk) float32 as the page reads them (within 1/510 of the original)."""
-        raw = zlib.decompress(base64.b64decode(self.blobs[h]))
-        q = torch.frombuffer(bytearray(raw), dtype=torch.uint8).reshape(self.shape[::-1])  # (Lk, Lq)
-        return q.t().float() / 255  # (Lq, Lk)
-
-
-# ------------------------------------------------------------------------------------------------
-# Data: statistics and encoding
-# ------------------------------------------------------------------------------------------------
-
-
-def head_stats(weights: Tensor, special: Sequence[bool], *, self_attention: bool) -> dict[str, Tensor]:
-    """Per-head statistics of one module's weights (H, Lq, Lk), each averaged over the query rows.
-
-    ``special`` (Lk,) marks the special key tokens. Returns ``{column of STAT_COLUMNS: (H,) float64}``;
-    the position statistics (distance, previous, same) are NaN for cross-attention
-    (``self_attention=False``), where query and key positions index different sequences. Each query's
-    sum over the keys is taken in the weights' precision (float32 at least: about 1e-6 relative error),
-    the means over the queries in float64.
-    """
-    w = weights.detach()
-    w = w if w.dtype == torch.float64 else w.float()  # (H, Lq, Lk)
-    f64 = torch.float64
-    h, lq, lk = w.shape
-    if len(special) != lk:
-        raise ValueError(f"special must have one flag per key token (Lk={lk}), got {len(special)}")
-    spec = torch.tensor(list(special), dtype=torch.bool)
-    out = {
-        "entropy": torch.special.entr(w).sum(-1).to(f64).mean(-1),  # -sum w ln w over the keys: (H,)
-        "first": w[:, :, 0].to(f64).mean(-1),
-        "special": w[:, :, spec].sum(-1).to(f64).mean(-1),
-    }
-    nan = torch.full((h,), math.nan, dtype=f64)
-    if not self_attention or lq != lk:
-        out.update(distance=nan, previous=nan, same=nan)
-    else:
-        pos = torch.arange(lq, dtype=w.dtype)  # exact: positions < 2**24
-        dist = (pos[:, None] - pos[None, :]).abs()  # (Lq, Lk)
-        out["distance"] = torch.einsum("hqk,qk->hq", w, dist).to(f64).mean(-1)  # sum_k w |q - k|: (H, Lq)
-        out["previous"] = w.diagonal(offset=-1, dim1=1, dim2=2).to(f64).mean(-1) if lq > 1 else nan.clone()
-        out["same"] = w.diagonal(dim1=1, dim2=2).to(f64).mean(-1)
-    return {k: out[k] for k in STAT_COLUMNS}
-
-
-def _quantize(weights: Tensor) -> Tensor:
-    """Weights (..., Lq, Lk) in [0, 1] -> uint8 ``floor(255 w + 1/2)``, within 1/510 (+ one rounding of 255 w)."""
-    w = weights.detach()
-    w = w if w.dtype == torch.float64 else w.float()
-    return w.mul(255).add_(0.5).clamp_(0, 255).to(torch.uint8)  # conversion truncates: floor of x >= 0
-
-
-def _pack(q: Tensor) -> str:
-    """uint8 (Lq, Lk) -> base64 of zlib (level 5) of its bytes key-major: row j holds key j's Lq weights.
-
-    Key-major because a key's weights down the queries vary less than a query's along the keys (a key
-    that draws attention draws it from many queries; a causal key gets none from the queries before it):
-    on a 1,000-token text the deflated bytes are about a quarter fewer than row-major, and deflate faster.
-    """
-    return base64.b64encode(zlib.compress(q.t().contiguous().numpy().tobytes(), 5)).decode("ascii")
-
-
-def encode_head(weights: Tensor) -> str:
-    """One head's weights (Lq, Lk) as the page carries them: base64 of zlib(uint8 q, key-major).
-
-    Decoding: base64, inflate, read Lk x Lq bytes (row j: key j's weight from each query), transpose to
-    (Lq, Lk); the weight is ``q / 255``, within 1/510 of
-    the input (weights lie in [0, 1]; float32 weights are scaled in float32, which adds at most 2**-24).
-    """
-    return _pack(_quantize(weights.cpu()))
-
-
-def encode_module(
-    name: str,
-    kind: str,
-    weights: Tensor,
-    queries: str,
-    keys: str,
-    special: Sequence[bool],
-    *,
-    importance: Sequence[float] | None = None,
-) -> EncodedModule:
-    """One module's weights (H, Lq, Lk) (on any device) encoded for the page: statistics and one blob per head.
-
-    ``special`` (Lk,) flags the special key tokens; the position statistics are computed when
-    ``queries == keys`` (self-attention). The result holds no reference to ``weights``.
-    """
-    if weights.dim() != 3:
-        raise ValueError(f"{name}: weights must be (H, Lq, Lk), got shape {tuple(weights.shape)}")
-    w = weights.detach().cpu()
-    stats = head_stats(w, special, self_attention=queries == keys)
-    q = _quantize(w)  # (H, Lq, Lk) uint8
-    return EncodedModule(
-        name,
-        kind,
-        queries,
-        keys,
-        (w.shape[1], w.shape[2]),
-        {k: [_finite(v) for v in s.tolist()] for k, s in stats.items()},
-        [_pack(q[i]) for i in range(q.shape[0])],
-        importance,
-    )
-
-
-def _finite(x: float) -> float | None:
-    return None if math.isnan(x) else round(float(x), 5)
-
-
-# ------------------------------------------------------------------------------------------------
-# The page
-# ------------------------------------------------------------------------------------------------
 
 
 def build_page(
@@ -262,6 +85,8 @@ def build_page(
                 "stats": e.stats,
                 "importance": None if e.importance is None else [round(float(x), 5) for x in e.importance],
                 "blobs": list(e.blobs),
+                "thumb": list(e.thumb_shape),
+                "thumbs": e.thumbs,
             }
         )
     data = {
@@ -296,12 +121,13 @@ section{margin:0 0 22px}
 .grid .col{font-size:12px;color:var(--mut);text-align:center}
 .thumb{position:relative;cursor:pointer;border:1px solid var(--line);border-radius:3px;background:#fff;
  line-height:0}
-.thumb canvas{width:100%;height:auto;image-rendering:pixelated;border-radius:2px}
+.thumb canvas{display:block;width:100%;height:auto;image-rendering:pixelated;border-radius:2px}
 .thumb.sel{outline:3px solid var(--acc);outline-offset:1px}
 .thumb .imp{position:absolute;left:0;bottom:0;height:3px;background:#e8590c;border-radius:0 2px 0 2px}
 .layout{display:flex;gap:24px;flex-wrap:wrap;align-items:flex-start}
 .hv{flex:0 1 500px;min-width:320px}
 .hvbox{max-height:78vh;overflow-y:auto;border:1px solid var(--line);border-radius:4px;background:#fff}
+#hv{position:sticky;top:0;display:block}
 .controls{display:flex;flex-wrap:wrap;gap:6px 10px;align-items:center;margin:0 0 8px}
 .controls select{font:inherit;padding:2px 4px}
 .chip{display:inline-flex;align-items:center;gap:4px;padding:1px 8px;border-radius:11px;border:1px solid var(--line);
@@ -334,7 +160,7 @@ show it in the head view.</div>
 <div class="controls"><label>module <select id="modsel"></select></label><span id="chips"></span></div>
 <div class="note">Lines join each query token (left) to the keys it attends to (right); opacity = weight.
 Hover a token to see only its lines.</div>
-<div class="hvbox"><canvas id="hv"></canvas></div></section>
+<div class="hvbox" id="hvbox"><div id="hvspace"><canvas id="hv"></canvas></div></div></section>
 <section class="tbl"><h2>Head statistics</h2>
 <div class="note" id="colnote">Click a column to sort; click a row to show that head.</div>
 <div class="tblbox"><table id="stats"><thead></thead><tbody></tbody></table></div></section>
@@ -355,18 +181,22 @@ function fail(msg) { document.body.dataset.status = "error"; $("status").textCon
 window.addEventListener("error", (e) => fail(e.message));
 window.addEventListener("unhandledrejection", (e) => fail(String(e.reason)));
 
-// ---- decoding: base64 -> inflate -> {q: uint8 (Lk*Lq) key-major, weight of (i, j) = q[j * lq + i] / 255} ----
+// ---- decoding: base64 -> inflate -> uint8 bytes of the length the module says ----
+async function inflate(b64, n, what) {
+  const bin = atob(b64), bytes = new Uint8Array(bin.length);
+  for (let i = 0; i < bin.length; i++) bytes[i] = bin.charCodeAt(i);
+  const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("deflate"));
+  const out = new Uint8Array(await new Response(stream).arrayBuffer());
+  if (out.length !== n) throw new Error(what + ": " + out.length + " bytes, not " + n);
+  return out;
+}
+// a head: {q: uint8 (Lk*Lq) key-major, weight of (i, j) = q[j * lq + i] / 255}; the last few kept
 const cache = new Map(), CACHE_MAX = 6;
 async function head(mi, h) {
   const key = mi + ":" + h;
   if (cache.has(key)) { const v = cache.get(key); cache.delete(key); cache.set(key, v); return v; }
-  const b64 = D.modules[mi].blobs[h], bin = atob(b64), bytes = new Uint8Array(bin.length);
-  for (let i = 0; i < bin.length; i++) bytes[i] = bin.charCodeAt(i);
-  const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("deflate"));
-  const buf = await new Response(stream).arrayBuffer();
   const mod = D.modules[mi], lq = D.sequences[mod.q].length, lk = D.sequences[mod.k].length;
-  const v = { q: new Uint8Array(buf), lq: lq, lk: lk };
-  if (v.q.length !== lq * lk) throw new Error(mod.name + " head " + h + ": " + v.q.length + " bytes, not " + lq * lk);
+  const v = { q: await inflate(mod.blobs[h], lq * lk, mod.name + " head " + h), lq: lq, lk: lk };
   cache.set(key, v);
   if (cache.size > CACHE_MAX) cache.delete(cache.keys().next().value);
   return v;
@@ -376,8 +206,7 @@ async function head(mi, h) {
 $("title").textContent = D.title;
 for (const k in D.facts) { const s = el("span"); s.append(el("b", null, k + ": "), D.facts[k]); $("facts").append(s); }
 
-// ---- model view: one canvas per head, block-averaged to at most T x T pixels ----
-const T = 96;
+// ---- model view: each head's thumbnail, its weights max-pooled to at most 96 x 96 by the command ----
 const thumbs = [];
 let maxImp = 0;
 for (const m of D.modules) if (m.importance) for (const x of m.importance) maxImp = Math.max(maxImp, x);
@@ -397,8 +226,7 @@ for (const g of groups) {
     for (let h = 0; h < maxH; h++) {
       if (h >= m.heads) { grid.append(el("div")); continue; }
       const box = el("div", { class: "thumb", title: m.name + " head " + h });
-      const lq = D.sequences[m.q].length, lk = D.sequences[m.k].length;
-      const cv = el("canvas", { width: Math.min(T, lk), height: Math.min(T, lq) });
+      const cv = el("canvas", { width: m.thumb[1], height: m.thumb[0] });
       box.append(cv);
       if (m.importance && maxImp > 0) {
         const bar = el("div", { class: "imp" }); bar.style.width = (100 * m.importance[h] / maxImp) + "%";
@@ -415,28 +243,24 @@ function shortName(n) { const p = n.split("."), num = p.filter((x) => /^\\d+$/.t
   const side = p.slice(0, -1).find((x) => x === "encoder" || x === "decoder");
   return (side ? side + " " : "") + (num.length ? "layer " + num.join(".") + " " : "") + p[p.length - 1]; }
 
-async function drawThumb(t) {
-  const v = await head(t.mi, t.h), W = t.cv.width, H = t.cv.height;
-  const ctx = t.cv.getContext("2d"), img = ctx.createImageData(W, H);
-  const acc = new Uint8Array(W * H);  // the largest weight of each pixel's block of (query, key) cells
-  const py = new Int32Array(v.lq);  // query -> offset of its pixel row
-  for (let i = 0; i < v.lq; i++) py[i] = Math.floor(i * H / v.lq) * W;
-  for (let j = 0; j < v.lk; j++) {
-    const x0 = Math.floor(j * W / v.lk), col = v.q.subarray(j * v.lq, (j + 1) * v.lq);  // key j, every query
-    for (let i = 0; i < v.lq; i++) { const x = col[i]; if (x !== 0 && x > acc[py[i] + x0]) acc[py[i] + x0] = x; }
-  }
+async function drawThumbs(mi) {  // one module's: one blob, (heads, R, C) row by row
+  const m = D.modules[mi], [R, C] = m.thumb, px = await inflate(m.thumbs, m.heads * R * C, m.name + " thumbnails");
+  for (const t of thumbs) if (t.mi === mi) drawThumb(t, px.subarray(t.h * R * C, (t.h + 1) * R * C));
+}
+function drawThumb(t, px) {
+  const W = t.cv.width, H = t.cv.height, ctx = t.cv.getContext("2d"), img = ctx.createImageData(W, H);
   let top = 64;  // the head's largest weight, at least 0.25: a uniform head stays pale
-  for (let p = 0; p < W * H; p++) if (acc[p] > top) top = acc[p];
+  for (let p = 0; p < W * H; p++) if (px[p] > top) top = px[p];
   for (let p = 0; p < W * H; p++) {
-    const x = Math.sqrt(acc[p] / top), o = 4 * p;
+    const x = Math.sqrt(px[p] / top), o = 4 * p;
     img.data[o] = 255 - x * 243; img.data[o + 1] = 255 - x * 194; img.data[o + 2] = 255 - x * 110; img.data[o + 3] = 255;
   }
   ctx.putImageData(img, 0, 0);
 }
 
 // ---- head view: tokens in two columns, lines for the selected heads ----
-const hv = $("hv"), hctx = hv.getContext("2d");
-let cur = { mi: 0, heads: [0] }, hover = null, geom = null;
+const hv = $("hv"), hctx = hv.getContext("2d"), hvbox = $("hvbox"), hvspace = $("hvspace");
+let cur = { mi: 0, heads: [0] }, hover = null, geom = null, shown = null;
 const modsel = $("modsel");
 D.modules.forEach((m, mi) => modsel.append(el("option", { value: mi }, m.name + " (" + m.kind + ")")));
 modsel.addEventListener("change", () => select(+modsel.value, cur.heads.filter((h) => h < D.modules[+modsel.value].heads)));
@@ -459,53 +283,64 @@ async function select(mi, hs) {
   await drawHeadView();
 }
 async function drawHeadView() {
-  const m = D.modules[cur.mi], qt = D.sequences[m.q], kt = D.sequences[m.k];
-  const want = cur.mi, data = [];
-  for (const h of cur.heads) data.push([h, await head(cur.mi, h)]);
-  if (want !== cur.mi) return;
-  // a canvas side stays under 32,767 device pixels (browsers refuse larger): long texts get lower rows
-  const n = Math.max(qt.length, kt.length), rowH = Math.max(2, Math.min(18, Math.floor(32000 / (n + 1))));
-  const dpr = Math.min(window.devicePixelRatio || 1, 32000 / (n * rowH + 12));
+  const mi = cur.mi, m = D.modules[mi], data = [];
+  for (const h of cur.heads) data.push([h, await head(mi, h)]);
+  if (mi !== cur.mi) return;
+  const qt = D.sequences[m.q], kt = D.sequences[m.k], n = Math.max(qt.length, kt.length), rowH = 18;
   hctx.font = "13px system-ui, sans-serif";
   let tw = 40;
   for (const t of qt.concat(kt)) tw = Math.max(tw, Math.min(160, hctx.measureText(t).width + 12));
-  const gap = 180, W = 2 * tw + gap, H = n * rowH + 12;
-  hv.width = W * dpr; hv.height = H * dpr; hv.style.width = W + "px"; hv.style.height = H + "px";
-  geom = { tw: tw, gap: gap, rowH: rowH, W: W, nq: qt.length, nk: kt.length };
-  const ctx = hctx; ctx.setTransform(dpr, 0, 0, dpr, 0, 0); ctx.clearRect(0, 0, W, H);
-  ctx.font = "13px system-ui, sans-serif"; ctx.textBaseline = "middle";
-  const yOf = (i) => 6 + i * rowH + rowH / 2, x0 = tw, x1 = tw + gap;
-  for (const [h, v] of data) {
+  geom = { tw: tw, gap: 180, rowH: rowH, W: 2 * tw + 180, H: n * rowH + 12, nq: qt.length, nk: kt.length };
+  shown = { qt: qt, kt: kt, data: data };
+  hvspace.style.width = geom.W + "px"; hvspace.style.height = geom.H + "px";
+  paint();
+}
+// the canvas covers only the rows scrolled into view (1,000 tokens are 18,000 pixels tall): only the
+// lines that cross them are drawn, and the view is painted again as the box scrolls
+function paint() {
+  if (!shown) return;
+  const g = geom, top = hvbox.scrollTop, vh = Math.min(g.H, hvbox.clientHeight || 800);
+  const dpr = window.devicePixelRatio || 1, ctx = hctx;
+  hv.width = g.W * dpr; hv.height = vh * dpr; hv.style.width = g.W + "px"; hv.style.height = vh + "px";
+  ctx.setTransform(dpr, 0, 0, dpr, 0, -top * dpr);  // from here on, y is in the whole view's pixels
+  const yOf = (i) => 6 + i * g.rowH + g.rowH / 2, x0 = g.tw, x1 = g.tw + g.gap, lo = top - g.rowH, hi = top + vh + g.rowH;
+  const qk = hover && hover.side === "q" ? hover.i : -1, kk = hover && hover.side === "k" ? hover.i : -1;
+  for (const [h, v] of shown.data) {
     ctx.strokeStyle = PALETTE[h % PALETTE.length]; ctx.lineWidth = 1.6;
-    for (let i = 0; i < v.lq; i++) {
-      if (hover && hover.side === "q" && hover.i !== i) continue;
-      for (let j = 0; j < v.lk; j++) {
-        if (hover && hover.side === "k" && hover.i !== j) continue;
-        const w = v.q[j * v.lq + i] / 255;
-        if (w < 0.01) continue;
-        ctx.globalAlpha = Math.min(1, w * (data.length > 1 ? 0.8 : 1));
-        ctx.beginPath(); ctx.moveTo(x0, yOf(i)); ctx.lineTo(x1, yOf(j)); ctx.stroke();
+    const paths = new Map();  // the lines of one weight (uint8) in one path: one stroke each, not one per line
+    for (let j = kk < 0 ? 0 : kk; j < (kk < 0 ? v.lk : kk + 1); j++) {
+      const col = v.q.subarray(j * v.lq, (j + 1) * v.lq), yj = yOf(j);  // key j's weight from every query
+      for (let i = qk < 0 ? 0 : qk; i < (qk < 0 ? v.lq : qk + 1); i++) {
+        const x = col[i], yi = yOf(i);
+        if (x / 255 < 0.01 || Math.max(yi, yj) < lo || Math.min(yi, yj) > hi) continue;  // faint, or not in view
+        let p = paths.get(x);
+        if (!p) { p = new Path2D(); paths.set(x, p); }
+        p.moveTo(x0, yi); p.lineTo(x1, yj);
       }
     }
+    for (const [x, p] of paths) { ctx.globalAlpha = Math.min(1, x / 255 * (shown.data.length > 1 ? 0.8 : 1)); ctx.stroke(p); }
   }
-  ctx.globalAlpha = 1;
+  ctx.globalAlpha = 1; ctx.textBaseline = "middle";
   const label = (t, x, i, align, on) => { ctx.textAlign = align; ctx.fillStyle = on ? "#2f6fde" : "#1d2330";
-    ctx.font = (on ? "600 " : "") + "13px system-ui, sans-serif"; ctx.fillText(clip(t, tw - 12), x, yOf(i)); };
-  qt.forEach((t, i) => label(t, x0 - 6, i, "right", hover && hover.side === "q" && hover.i === i));
-  kt.forEach((t, i) => label(t, x1 + 6, i, "left", hover && hover.side === "k" && hover.i === i));
+    ctx.font = (on ? "600 " : "") + "13px system-ui, sans-serif"; ctx.fillText(clip(t, g.tw - 12), x, yOf(i)); };
+  const first = Math.max(0, Math.floor(lo / g.rowH)), last = Math.ceil(hi / g.rowH);
+  for (let i = first; i < Math.min(last, g.nq); i++) label(shown.qt[i], x0 - 6, i, "right", qk === i);
+  for (let i = first; i < Math.min(last, g.nk); i++) label(shown.kt[i], x1 + 6, i, "left", kk === i);
 }
 function clip(t, w) { if (hctx.measureText(t).width <= w) return t; while (t.length > 1 &&
   hctx.measureText(t + "\\u2026").width > w) t = t.slice(0, -1); return t + "\\u2026"; }
+let frame = 0;
+hvbox.addEventListener("scroll", () => { if (!frame) frame = requestAnimationFrame(() => { frame = 0; paint(); }); });
 hv.addEventListener("mousemove", (e) => {
   if (!geom) return;
-  const r = hv.getBoundingClientRect(), x = e.clientX - r.left, y = e.clientY - r.top;
+  const r = hv.getBoundingClientRect(), x = e.clientX - r.left, y = e.clientY - r.top + hvbox.scrollTop;
   const i = Math.floor((y - 6) / geom.rowH);
   let h = null;
   if (x < geom.tw && i >= 0 && i < geom.nq) h = { side: "q", i: i };
   else if (x > geom.tw + geom.gap && i >= 0 && i < geom.nk) h = { side: "k", i: i };
-  if (JSON.stringify(h) !== JSON.stringify(hover)) { hover = h; drawHeadView(); }
+  if (JSON.stringify(h) !== JSON.stringify(hover)) { hover = h; paint(); }
 });
-hv.addEventListener("mouseleave", () => { if (hover) { hover = null; drawHeadView(); } });
+hv.addEventListener("mouseleave", () => { if (hover) { hover = null; paint(); } });
 
 // ---- statistics table ----
 const cols = Object.keys(D.columns);
@@ -540,14 +375,14 @@ function sortBy(ci, th) {
   th.classList.add(sortState.dir > 0 ? "asc" : "desc");
 }
 
-// ---- start: head view of the first module, then every thumbnail in turn ----
+// ---- start: head view of the first module, and every thumbnail ----
 (async function () {
   const t0 = performance.now();
   // page.html#module=2&heads=0,3 opens the head view on module 2, heads 0 and 3
   const arg = new URLSearchParams(location.hash.slice(1)), mi = Math.min(D.modules.length - 1, +(arg.get("module") || 0));
   const hs = (arg.get("heads") || "0").split(",").map(Number).filter((h) => h >= 0 && h < D.modules[mi].heads);
   await select(mi >= 0 ? mi : 0, hs.length ? hs : [0]);
-  for (const t of thumbs) await drawThumb(t);
+  await Promise.all(D.modules.map((m, mi) => drawThumbs(mi)));
   const ms = Math.round(performance.now());
   $("status").textContent = thumbs.length + " heads drawn in " + Math.round(performance.now() - t0) + " ms";
   if (document.body.dataset.status === "loading") { document.body.dataset.status = "ready"; document.body.dataset.ms = ms; }

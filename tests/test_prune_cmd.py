@@ -662,7 +662,7 @@ def test_enough_lines_give_no_warning(tmp_path, folders):
     data = tmp_path / "many.txt"
     data.write_text("\n".join(many_sentences(P.FEW_TEXTS)))
     report = P.run(
-        options(folders["causal-lm"], data, tmp_path / "out", heads="1", recover=0), echo=lambda _: None
+        options(folders["causal-lm"], data, tmp_path / "out", heads="2", recover=0), echo=lambda _: None
     )
     assert report["warning"] is None and report["texts"]["total"] == P.FEW_TEXTS
 

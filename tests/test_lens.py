@@ -297,6 +297,17 @@ def test_patching_runs_the_layers_before_a_patch_once_and_matches_one_forward_pe
     assert seen == {0: [2, 2, 8, 2, 2], 1: [2, 2, 8, 10, 2], 2: [2, 2, 8, 10, 8]}
     single = lens.patch_heads(model, clean, corrupted, lambda out: _last_token_sum(out).mean())
     torch.testing.assert_close(shared, single)
+    # only the last layer's heads: the two layers before it run once, on the corrupted batch
+    seen = {i: [] for i in range(3)}
+    handles = [
+        layer.register_forward_hook(lambda mod, args, out, i=i: seen[i].append(out.shape[0]))
+        for i, layer in enumerate(model.layers)
+    ]
+    last = lens.patch_heads(model, clean, corrupted, _last_token_sum, modules=["layers.2.self_attn"])
+    for handle in handles:
+        handle.remove()
+    assert seen == {0: [2, 2, 2], 1: [2, 2, 2], 2: [2, 2, 10]}  # clean, corrupted, 4 copies + the check copy
+    torch.testing.assert_close(last, single[2:])
 
 
 class _InputSkips(nn.Module):

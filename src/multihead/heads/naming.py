@@ -123,6 +123,17 @@ def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
     }
 
 
+def layer_of(model: nn.Module, name: str) -> str | None:
+    """The name of the layer holding module ``name``: the element of an ``nn.ModuleList`` nearest above it
+    (None when there is none). Pruning replays a model layer by layer from it, patching shares the layers
+    before it."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        if parts[i].isdigit() and isinstance(model.get_submodule(".".join(parts[:i])), nn.ModuleList):
+            return ".".join(parts[: i + 1])
+    return None
+
+
 def module_heads(module: nn.Module) -> tuple[int, int]:
     """``(H, Hkv)`` of an attention module (ours or a registered family's)."""
     if isinstance(module, MultiHeadAttention):

@@ -23,16 +23,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..heads.naming import layer_of
 
-def layer_of(model: nn.Module, name: str) -> nn.Module | None:
-    """The layer holding attention module ``name``: its nearest ancestor that is an item of an ``nn.ModuleList``
-    (None when it is in no such stack)."""
-    parts = name.split(".")
-    for cut in range(len(parts) - 1, 0, -1):
-        parent = model.get_submodule(".".join(parts[: cut - 1]))
-        if isinstance(parent, nn.ModuleList):
-            return model.get_submodule(".".join(parts[:cut]))
-    return None
+
+def shared_layer(model: nn.Module, name: str) -> nn.Module | None:
+    """The layer to repeat at when a forward's first patch is in attention module ``name``: the layer holding
+    it (:func:`~multihead.heads.naming.layer_of`); None when it is in no stack or is its stack's first layer
+    (nothing runs before it to share)."""
+    layer = layer_of(model, name)
+    if layer is None or layer.rpartition(".")[2] == "0":
+        return None
+    return model.get_submodule(layer)
 
 
 def repeat_batch(value: Any, batch: int, copies: int) -> Any:
@@ -52,24 +53,20 @@ def repeat_batch(value: Any, batch: int, copies: int) -> Any:
 class Prefix:
     """Shares the layers before the first patched module across the copies of a patching sweep.
 
-    ``layers[i]``: the layer holding the i-th patched module (None: not in a stack). :meth:`expanding` repeats
+    ``layers[i]``: the layer to repeat at for the i-th patched module (:func:`shared_layer`). :meth:`expanding` repeats
     the inputs of one layer; ``on`` tells whether sharing is (still) on, :meth:`verify` switches it off when the
     check copy disagrees.
     """
 
     def __init__(self, model: nn.Module, names: list[str]) -> None:
-        self.layers = [layer_of(model, name) for name in names]
-        self.first = self.layers[0] if self.layers else None
+        self.layers = [shared_layer(model, name) for name in names]
         self.checked = False
         self.on = True
 
     def layer_for(self, module: int) -> nn.Module | None:
         """The layer to repeat at when the forward's first patch is in module number ``module``: None when
-        sharing is off, the module is in no stack, or it is in the first layer (nothing before it to share)."""
-        layer = self.layers[module]
-        if not self.on or layer is None or layer is self.first:
-            return None
-        return layer
+        sharing is off or :func:`shared_layer` gave none."""
+        return self.layers[module] if self.on else None
 
     @contextmanager
     def expanding(self, layer: nn.Module, batch: int, copies: int) -> Iterator[None]:

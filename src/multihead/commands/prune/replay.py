@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ...heads.naming import layer_of
 from .objectives import Batch, Objective
 
 __all__ = ["Call", "Chain", "first", "layer_of", "no_cache", "run_stopped", "stack_of"]
@@ -72,16 +73,6 @@ def _with_hidden(call: Call, hidden: Tensor) -> Call:
     if args:
         return (hidden, *args[1:]), kwargs
     return args, {**kwargs, "hidden_states": hidden}
-
-
-def layer_of(model: nn.Module, name: str) -> str | None:
-    """The name of the layer holding attention module ``name``: the element of an ``nn.ModuleList`` nearest
-    above it (None when there is none)."""
-    parts = name.split(".")
-    for i in range(len(parts) - 1, 0, -1):
-        if parts[i].isdigit() and isinstance(model.get_submodule(".".join(parts[:i])), nn.ModuleList):
-            return ".".join(parts[: i + 1])
-    return None
 
 
 def stack_of(model: nn.Module, layers: Sequence[str]) -> list[str] | None:

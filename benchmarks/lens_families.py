@@ -37,6 +37,7 @@ from test_hf_families import NAME, T, V, tiny_config  # noqa: E402
 
 from multihead import heads, lens  # noqa: E402
 from multihead.heads.naming import attention_modules, output_projection  # noqa: E402
+from multihead.lens.share import shared_layer  # noqa: E402
 from multihead.progress import Progress  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -107,9 +108,9 @@ def check_result(ours: torch.nn.Module, inputs: dict) -> float | str:
     finally:
         for h in hooks:
             h.remove()
-    gap = 0.0
+    gap, found = 0.0, attention_modules(ours)
     for name in c.names():
-        layer = output_projection(ours, name, attention_modules(ours)[name]).module
+        layer = output_projection(ours, name, found[name]).module
         bias = getattr(layer, "bias", None)
         gap = max(gap, _gap(c[name, "result"].sum(1) + (bias if bias is not None else 0.0), seen[name]))
     return gap
@@ -148,11 +149,12 @@ def check_patching(ours: torch.nn.Module, inputs: dict) -> tuple[float, str]:
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         batched = lens.patch_heads(ours, inputs, corrupted, per_example, modules=last, progress=False)
-    shared = not any("every copy now runs the whole model" in str(w.message) for w in said)
+    fell_back = any("every copy now runs the whole model" in str(w.message) for w in said)
+    shared = shared_layer(ours, last[0]) is not None and not fell_back
     single = lens.patch_heads(
         ours, inputs, corrupted, lambda out: per_example(out).mean(), modules=last, progress=False
     )
-    return _gap(batched, single), "yes" if shared else "no (full copies)"
+    return _gap(batched, single), "yes" if shared else "no (full copies)" if fell_back else "no (first layer)"
 
 
 def check_attribution(ours: torch.nn.Module, inputs: dict) -> float:

@@ -183,7 +183,7 @@ def plot(res: dict, path: Path) -> None:
             pts = sorted((r["pruned"], r["held_out"], *r["interval"]) for r in rs if r["peer"] == peer)
             if pts:
                 x, y, lo, hi = zip(*pts, strict=True)
-                x = [k + 0.3 * peer for k in x]  # side by side, not on top
+                x = [k + 0.012 * rs[0]["heads_total"] * peer for k in x]  # side by side, not on top
                 err = [
                     [a - b for a, b in zip(y, lo, strict=True)],
                     [b - a for a, b in zip(y, hi, strict=True)],
@@ -205,7 +205,8 @@ def plot(res: dict, path: Path) -> None:
         ax.set_xlabel(f"heads removed (of {rs[0]['heads_total']})")
         ax.set_ylabel("perplexity ratio (lower is better)" if lm else "quality kept (Spearman)")
         ax.set_title(f"{model}, {corpus}", fontsize=9)
-        ax.margins(x=0.15)
+        most = max([r["pruned"] for r in rs] + [x for x, _ in tried])
+        ax.set_xlim(0, most * 1.15 + 2)  # a count is read from 0, not zoomed onto one run
         ax.legend(fontsize=7, loc="best")
     fig.savefig(path, dpi=100, metadata={"Software": None})
 

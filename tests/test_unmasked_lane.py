@@ -342,3 +342,59 @@ def test_a_module_of_many_short_rows_equals_torchs(causal):
     torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     ga, gb = (torch.autograd.grad(y.sum(), x)[0] for y in (a, b))
     torch.testing.assert_close(ga, gb, rtol=1e-12, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------------------------
+# bfloat16 on a CPU that multiplies it in hardware: blocks of two bmm and a softmax
+# ----------------------------------------------------------------------------------------------
+
+BF16 = [  # (B, H, Hkv, Lq, Lk): whole (batch, kv head) pairs per block, one pair's rows in parts, grouped
+    (2, 4, 4, 40, 40),
+    (1, 4, 2, 17, 300),  # grouped, Lq != Lk
+    (1, 8, 2, 1, 64),  # a decode step
+    (1, 2, 1, 600, 2100),  # one kv head's 1,200 x 2,100 scores (4.8 MiB): its rows in three parts
+]
+
+
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize(("b", "h", "hkv", "lq", "lk"), BF16)
+def test_bfloat16_blocks_match_the_reference(monkeypatch, b, h, hkv, lq, lk, strided):
+    """math.bf16_attention (the sdpa backend's bfloat16 lane without autograd, where the CPU multiplies
+    bfloat16 natively): within the 2x rule of the bfloat16 reference, contiguous or strided heads."""
+    monkeypatch.setattr(math_backend, "NATIVE_BF16", True)  # the blocks run on any CPU; only speed differs
+    q, k, v = _qkv(b, h, hkv, lq, lk, d=32, dtype=torch.bfloat16, seed=lq)
+    if strided:  # (B, L, H, D) buffers, as the module's projection gives them
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
+        k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
+    assert math_backend.serves_bf16(q, k, v, False)
+    with torch.no_grad():
+        report = compare_to_reference(mh.attention, q, k, v, scale=0.2)
+        direct = math_backend.bf16_attention(q, k, v, 0.2)
+    assert report.ok, report
+    torch.testing.assert_close(direct, mh.attention(q, k, v, scale=0.2), rtol=0, atol=0)
+
+
+def test_bfloat16_blocks_only_where_they_are_faster_and_nothing_needs_a_gradient(monkeypatch):
+    """Causal, float16/float32, autograd, a CPU without bfloat16 products, or a few short rows: the fused
+    kernel (or short_attention) as before; with autograd, the fused kernel's gradients."""
+    monkeypatch.setattr(math_backend, "NATIVE_BF16", True)
+    q, k, v = _qkv(1, 4, 2, 40, 40, dtype=torch.bfloat16)
+    assert math_backend.serves_bf16(q, k, v, False)
+    assert not math_backend.serves_bf16(q, k, v, True)  # the fused kernel skips the upper triangle
+    assert not math_backend.serves_bf16(*(t.half() for t in (q, k, v)), False)
+    assert not math_backend.serves_bf16(*(t.float() for t in (q, k, v)), False)
+    assert not math_backend.serves_bf16(q, k[:, :, :32], v[:, :, :32], False)  # short rows
+    ins = [t.clone().requires_grad_() for t in (q, k, v)]
+    assert not math_backend.serves_bf16(*ins, False)
+    with torch.no_grad():
+        assert math_backend.serves_bf16(*ins, False)  # no autograd: nothing to differentiate
+    out = mh.attention(*ins)
+    fused_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    fused = F.scaled_dot_product_attention(*fused_in, enable_gqa=True)
+    torch.testing.assert_close(out, fused, rtol=0, atol=0)  # the fused kernel itself
+    out.float().sum().backward()
+    fused.float().sum().backward()
+    for a, w in zip(ins, fused_in, strict=True):
+        torch.testing.assert_close(a.grad, w.grad, rtol=0, atol=0)
+    monkeypatch.setattr(math_backend, "NATIVE_BF16", False)
+    assert not math_backend.serves_bf16(q, k, v, False)

@@ -6,7 +6,10 @@ memory-efficient kernels (tried in that order for float16/bfloat16). It cannot r
 One exception on the CPU: an unmasked call of many short rows (B*H >= 64, Lk <= 32, Lq >= 2, float32 or
 float64) runs as two matmuls and a softmax (:func:`~multihead.core.backends.math.short_attention`), where
 the fused kernel's per-head set-up costs more than the product; its (B, H, Lq, Lk) scores are at most
-32 keys wide.
+32 keys wide. And an unmasked, non-causal bfloat16 call without autograd on a CPU that multiplies
+bfloat16 in hardware runs as blocks of two ``bmm`` and a softmax
+(:func:`~multihead.core.backends.math.bf16_attention`): the fused kernel's bfloat16 products run at
+about half oneDNN's rate there.
 
 Dimensions: B batch, H heads, Hkv kv heads, G = H // Hkv, Lq/Lk lengths, Dk/Dv head dims.
 
@@ -43,7 +46,7 @@ from ..masks import causal, key_prefix, materialize, to_bias
 from ..segments import packed_runs
 from ._common import DENSE_LIMIT, dense_refusal, kv_for_cpu_kernel, unread_zeroed, zero_dead_rows
 from .base import AttentionCall, Deferral
-from .math import serves_short, short_attention
+from .math import bf16_attention, serves_bf16, serves_short, short_attention
 
 if TYPE_CHECKING:
     from ..masks import Normalized
@@ -197,6 +200,8 @@ def _kernel(
     rows on the CPU (:func:`~multihead.core.backends.math.serves_short`) run as two matmuls instead."""
     if attn_mask is None and not dropout and serves_short(q, k, is_causal):
         return short_attention(q, k, v, is_causal, scale)  # (B, H, Lq, Dv)
+    if attn_mask is None and not dropout and serves_bf16(q, k, v, is_causal) and not is_tracing():
+        return bf16_attention(q, k, v, scale)  # (B, H, Lq, Dv)
     if is_causal and scale <= 0:  # torch's causal kernel gives NaN rows for a scale <= 0 (2.13, CPU)
         attn_mask, is_causal = (
             causal(q.shape[2], k.shape[2], device=q.device).view(1, 1, q.shape[2], -1),

@@ -11,6 +11,8 @@ Companion of ``benchmarks/bench_prune.py`` (same corpora, same external held-out
   key/value heads) with ``--heads 0.25`` on stdlib-docs: the held-out perplexity ratio (the command's split
   and the external sentences), wall and CPU time, peak memory, greedy decoding tokens/s and the KV cache's
   bytes per token before and after;
+* **fixed fractions** -- all-MiniLM-L6-v2 with ``--heads`` 0.25 and 0.5 on each real corpus (the stages
+  themselves, over three seeds, are ``benchmarks/bench_prune.py``'s);
 * **the peer** a user would try first, on every one of those: Michel et al.'s gradient importance
   (``heads.importance`` of the objective's loss, :func:`multihead.commands.prune.choose_and_prune`, one round),
   the same number of heads, then the same recovery budget (the steps the command's run used), and nothing else.
@@ -52,7 +54,12 @@ OUT = RESULTS / "prune_floor.json"
 REAL = ("licences", "package-docs", "stdlib-docs")
 FLOORS = ("0.99", "0.97")
 MODELS = {"minilm": minilm_dir, "smollm2": smollm2_dir}
-RUNS = [f"minilm:{c}:q{q}" for c in REAL for q in FLOORS] + ["smollm2:stdlib-docs:h0.25"]
+FRACTIONS = ("0.25", "0.5")
+RUNS = [
+    *(f"minilm:{c}:q{q}" for c in REAL for q in FLOORS),
+    "smollm2:stdlib-docs:h0.25",
+    *(f"minilm:{c}:h{f}" for c in REAL for f in FRACTIONS),
+]
 """``model:corpus:amount`` -- ``qQ`` a quality floor, ``hF`` a fraction of the heads."""
 
 

@@ -10,7 +10,7 @@ Companion of ``benchmarks/bench_prune.py`` (same corpora, same external held-out
 * **causal LM** -- SmolLM2-135M-Instruct (``multihead.testing.smollm2_dir``: 30 layers x 9 heads over 3
   key/value heads) with ``--heads 0.25`` on stdlib-docs: the held-out perplexity ratio (the command's split
   and the external sentences), wall and CPU time, peak memory, greedy decoding tokens/s and the KV cache's
-  bytes per token before and after;
+  bytes per token before and after; and with ``--quality 0.97`` (a perplexity ratio of at most 1/0.97);
 * **fixed fractions** -- all-MiniLM-L6-v2 with ``--heads`` 0.25 and 0.5 on each real corpus (the stages
   themselves, over three seeds, are ``benchmarks/bench_prune.py``'s);
 * **the peer** a user would try first, on every one of those: Michel et al.'s gradient importance
@@ -58,6 +58,7 @@ FRACTIONS = ("0.25", "0.5")
 RUNS = [
     *(f"minilm:{c}:q{q}" for c in REAL for q in FLOORS),
     "smollm2:stdlib-docs:h0.25",
+    "smollm2:stdlib-docs:q0.97",
     *(f"minilm:{c}:h{f}" for c in REAL for f in FRACTIONS),
 ]
 """``model:corpus:amount`` -- ``qQ`` a quality floor, ``hF`` a fraction of the heads."""
@@ -196,8 +197,13 @@ def plot(res: dict, path: Path) -> None:
                     [b - a for a, b in zip(y, hi, strict=True)],
                 ]
                 ax.errorbar(x, y, yerr=err, fmt="o", color=color, capsize=3, label=f"{label}, held-out")
-        tried = sorted(
-            {int(k): v for r in rs if r.get("floor") for k, v in r["floor"]["tried"].items()}.items()
+        tried = sorted(  # relative quality; a language model's panel reads perplexity ratios (1 / it)
+            {
+                int(k): 1 / v if lm else v
+                for r in rs
+                if r.get("floor")
+                for k, v in r["floor"]["tried"].items()
+            }.items()
         )
         if tried:
             ax.plot(
@@ -207,8 +213,8 @@ def plot(res: dict, path: Path) -> None:
                 alpha=0.5,
                 label="refit only, validation (search)",
             )
-        for q in () if lm else map(float, FLOORS):
-            ax.axhline(q, color="k", lw=0.6, ls=":")
+        for q in sorted({float(r["run"].split(":")[2][1:]) for r in rs if ":q" in r["run"]}):
+            ax.axhline(1 / q if lm else q, color="k", lw=0.6, ls=":")  # the floors asked for
         ax.set_xlabel(f"heads removed (of {rs[0]['heads_total']})")
         ax.set_ylabel("perplexity ratio (lower is better)" if lm else "quality kept (Spearman)")
         ax.set_title(f"{model}, {corpus}", fontsize=9)

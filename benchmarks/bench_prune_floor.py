@@ -213,7 +213,7 @@ def plot(res: dict, path: Path) -> None:
                 alpha=0.5,
                 label="refit only, validation (search)",
             )
-        for q in sorted({float(r["run"].split(":")[2][1:]) for r in rs if ":q" in r["run"]}):
+        for q in sorted({r["floor"]["quality"] for r in rs if r.get("floor")}):
             ax.axhline(1 / q if lm else q, color="k", lw=0.6, ls=":")  # the floors asked for
         ax.set_xlabel(f"heads removed (of {rs[0]['heads_total']})")
         ax.set_ylabel("perplexity ratio (lower is better)" if lm else "quality kept (Spearman)")

@@ -25,6 +25,19 @@ FUSED_CPU_TAKES_GROUPS = tuple(int(p) for p in torch.__version__.split("+")[0].s
 seen on 2.5.1, 2.6.0, 2.7.1)."""
 
 
+def needs_grad(*tensors: Tensor | None) -> bool:
+    """Whether autograd is on and any of ``tensors`` (None skipped) requires a gradient: whether a backward
+    pass may need what a backend computes from them."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def call_needs_grad(call: AttentionCall) -> bool:
+    """:func:`needs_grad` of a call's q, k, v, dense bias and sinks -- or autograd on and a bias function,
+    which may close over parameters (learned slopes, tables)."""
+    bias_fn = call.masks.bias_fn is not None and torch.is_grad_enabled()
+    return bias_fn or needs_grad(call.q, call.k, call.v, call.masks.bias, call.sinks)
+
+
 def kv_for_cpu_kernel(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     """K/V as this torch's fused CPU kernel takes them: as they are (grouped or not; any device but CPU
     before torch 2.9), or repeated to H heads, (B, H, Lk, Dk) and (B, H, Lk, Dv) -- one copy of K/V, where

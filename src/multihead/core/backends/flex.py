@@ -43,7 +43,7 @@ from torch import Tensor
 from ..checks import is_tracing
 from ..masks import BiasFn, MaskFn, and_masks, causal_fn, segments_fn, tensor_fn
 from ..masks.blocks import Recent, captured_versions, segment_tiles
-from ._common import DENSE_LIMIT, zero_dead_rows
+from ._common import DENSE_LIMIT, call_needs_grad, zero_dead_rows
 from .base import AttentionCall, Backend, Deferral
 from .flex_cpu import CpuFlex
 
@@ -116,7 +116,7 @@ class FlexBackend:
             yield "flex has no attention dropout (use dropout=0.0 or backend='sdpa')"
         if q.dtype not in _DTYPES:
             yield f"flex supports dtypes {_DTYPES}, got {q.dtype}"
-        if q.device.type == "cpu" and torch.is_grad_enabled() and _needs_grad(call):
+        if q.device.type == "cpu" and call_needs_grad(call):
             yield "FlexAttention has no backward on CPU (run under torch.no_grad() or use another backend)"
         if self._on_cpu(call):
             yield from self.cpu.why_not(call)
@@ -308,11 +308,6 @@ def _warn_compile_failure(err: BaseException, q: Tensor, k: Tensor) -> None:
         f"{q.dtype} ({type(err).__name__}: {first}); FlexAttention runs eagerly for this call (same result, "
         f"more memory). backend='sdpa' or 'math' avoid the compiler."
     )
-
-
-def _needs_grad(call: AttentionCall) -> bool:
-    tensors = (call.q, call.k, call.v, call.masks.bias, call.sinks)
-    return call.masks.bias_fn is not None or any(t.requires_grad for t in tensors if t is not None)
 
 
 def _score_mod(

@@ -65,7 +65,7 @@ from torch import Tensor
 
 from ..checks import is_tracing
 from ..masks.blocks import BlockMaskFunction, Blocks, refine, structure
-from ._common import DENSE_LIMIT
+from ._common import DENSE_LIMIT, needs_grad
 from .base import AttentionCall, Deferral
 
 __all__ = ["CAPACITY", "COARSE", "HOT", "LONG_SPAN", "MEASURE_ROUNDS", "MIN_SCORES", "TILE", "CpuFlex"]
@@ -181,7 +181,7 @@ class CpuFlex:
             yield f"compiled flex on the CPU runs float32 only, got {q.dtype} (blocked serves it)"
         if q.shape[-1] != call.v.shape[-1]:
             yield f"compiled flex on the CPU needs Dk == Dv, got {q.shape[-1]} and {call.v.shape[-1]}"
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, call.k, call.v)):
+        if needs_grad(q, call.k, call.v):
             yield "FlexAttention has no backward on the CPU (run under torch.no_grad(), or blocked serves it)"
         if is_tracing():
             yield "inside a trace or torch.compile the blocked backend serves (no nested compile)"

@@ -28,10 +28,12 @@ from ..checks import is_int
 from ..masks import causal, materialize
 from ._common import (
     DENSE_LIMIT,
+    call_needs_grad,
     dense_refusal,
     group_mask,
     group_queries,
     group_sinks,
+    needs_grad,
     ungroup,
     unread_zeroed,
     zero_dead_rows,
@@ -58,13 +60,8 @@ class MathBackend:
 
     def blocked(self, call: AttentionCall) -> bool:
         """Whether ``call`` takes the cache-blocked inference path (CPU, no autograd, large scores)."""
-        q, k, v = call.q, call.k, call.v
-        if call.dropout > 0 or q.device.type != "cpu":
-            return False
-        if torch.is_grad_enabled() and (
-            call.masks.bias_fn is not None  # may close over parameters (learned slopes, tables)
-            or any(t.requires_grad for t in (q, k, v, call.masks.bias, call.sinks) if t is not None)
-        ):
+        q, k = call.q, call.k
+        if call.dropout > 0 or q.device.type != "cpu" or call_needs_grad(call):
             return False
         b, h, lq, _ = q.shape  # the grouped queries (B, Hkv, G*Lq, Dk) hold as many score rows
         return b * h * lq * k.shape[2] * q.element_size() > 2 * self.block_bytes
@@ -236,7 +233,7 @@ def serves_bf16(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> bool:
         and q.device.type == "cpu"
         and not is_causal
         and k.shape[2] > SHORT_KEYS
-        and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
+        and not needs_grad(q, k, v)
     )
 
 
@@ -256,7 +253,7 @@ def bf16_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     out = q.new_empty(b * hkv, rows, dv)  # (B*Hkv, G*Lq, Dv)
     per_row = lk * q.element_size()
     pairs = max(1, BF16_BLOCK_BYTES // (rows * per_row))  # whole (batch, kv head) pairs per block ...
-    step = rows if pairs > 1 or rows * per_row <= BF16_BLOCK_BYTES else max(16, BF16_BLOCK_BYTES // per_row)
+    step = rows if rows * per_row <= BF16_BLOCK_BYTES else max(16, BF16_BLOCK_BYTES // per_row)
     for i in range(0, b * hkv, pairs):  # ... or, where one pair's scores are larger, its rows in parts
         p = slice(i, i + pairs)
         for r in range(0, rows, step):

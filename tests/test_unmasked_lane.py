@@ -398,3 +398,30 @@ def test_bfloat16_blocks_only_where_they_are_faster_and_nothing_needs_a_gradient
         torch.testing.assert_close(a.grad, w.grad, rtol=0, atol=0)
     monkeypatch.setattr(math_backend, "NATIVE_BF16", False)
     assert not math_backend.serves_bf16(q, k, v, False)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.integers(1, 3),  # B
+    st.sampled_from([(4, 4), (4, 2), (6, 1), (2, 2)]),  # (H, Hkv)
+    st.integers(1, 70),  # Lq
+    st.integers(math_backend.SHORT_KEYS + 1, 400),  # Lk
+    st.booleans(),  # strided heads, as the module's fused projection gives them
+    st.integers(0, 2**31 - 1),
+)
+def test_bfloat16_blocks_equal_the_reference_for_any_shape_they_serve(b, heads, lq, lk, strided, seed):
+    """Any call math.bf16_attention serves (grouped heads, Lq != Lk, decode steps, contiguous or strided), with
+    blocks made small enough that pairs and rows are split: within the 2x rule of the bfloat16 reference."""
+    h, hkv = heads
+    q, k, v = _qkv(b, h, hkv, lq, lk, d=8, dtype=torch.bfloat16, seed=seed)
+    if strided:
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    saved = math_backend.NATIVE_BF16, math_backend.BF16_BLOCK_BYTES
+    math_backend.NATIVE_BF16, math_backend.BF16_BLOCK_BYTES = True, 4096  # a few rows of scores a block
+    try:
+        assert math_backend.serves_bf16(q, k, v, False)
+        with torch.no_grad():
+            report = compare_to_reference(mh.attention, q, k, v, scale=0.3)
+    finally:
+        math_backend.NATIVE_BF16, math_backend.BF16_BLOCK_BYTES = saved
+    assert report.ok, report

@@ -372,6 +372,39 @@ def test_shard_unshard_round_trip(total, world, layout):
         assert bool((p[0].diff() > 0).all())
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 24),
+    m=st.integers(1, 24),
+    q0=st.integers(0, 30),
+    k0=st.integers(0, 30),
+    tile=st.one_of(st.none(), st.integers(1, 9)),
+)
+def test_split_region_parts_cover_the_visible_keys_once(n, m, q0, k0, tile):
+    """The parts a ring block is cut into (staircase, triangle tiles, rectangle tiles) cover exactly the
+    (row, key) pairs causal attention leaves visible, each once; a tile holds at most ``tile`` rows, and a
+    part marked as a triangle is the top-left triangle a fused kernel applies (rows and keys start together)."""
+    from multihead.distributed.sharding import split_region, visible_region
+
+    q_pos, k_pos = torch.arange(q0, q0 + n), torch.arange(k0, k0 + m)  # ascending, as shards are
+    want = q_pos[:, None] >= k_pos[None, :]  # (n, m)
+    region = visible_region(q_pos, k_pos, 0)
+    assert (region is None) == (not bool(want.any()))
+    got = torch.zeros(n, m, dtype=torch.int64)
+    for part in [] if region is None else split_region(region, tile):
+        rows, cols = part.rows, part.cols
+        if tile is not None:
+            assert rows.stop - rows.start <= tile or part.seen is not None
+        cover = torch.ones(rows.stop - rows.start, cols.stop - cols.start, dtype=torch.bool)
+        if part.triangle:
+            assert rows.stop - rows.start == cols.stop - cols.start
+            cover = cover.tril()
+        if part.seen is not None:
+            cover = torch.arange(cols.stop)[cols][None, :] < part.seen[:, None]
+        got[rows, cols] += cover.long()
+    assert torch.equal(got, want.long())
+
+
 def test_zigzag_picture():
     x = torch.arange(8)
     assert mhd.shard(x, 0, 0, 2, "zigzag").tolist() == [0, 1, 6, 7]

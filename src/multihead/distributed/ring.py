@@ -159,14 +159,11 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None, plan:
             last = step == plan.world - 1
             nxt = None if last else relay.start(msg, step % 2, plan.vid(plan.src(step + 1), piece))
             for blk in plan.blocks(src, shard, q.device, piece):
-                part = block_forward(
-                    BlockInputs(qa, prepare(shard.k, dtype), prepare(shard.v, dtype)),
-                    blk,
-                    plan.scale,
-                    plan.kernel,
-                    plan.softcap,
-                )
-                state = _absorb(state, part, blk, q, v.shape[-1], dtype)
+                x = BlockInputs(qa, prepare(shard.k, dtype), prepare(shard.v, dtype))
+                # the block's output is passed on, not named: it is freed once absorbed, before the next
+                # block allocates its own (a name would keep two block outputs alive at once)
+                state = _absorb(state, block_forward(x, blk, plan.scale, plan.kernel, plan.softcap), blk, q,
+                                v.shape[-1], dtype)  # fmt: skip
             relay.wait()
             if nxt is not None:
                 msg = nxt

@@ -129,7 +129,8 @@ class Region(NamedTuple):
     ``rows`` [i0, Lq_r) are the queries that see at least one of the keys, ``cols`` [0, j1) the keys at
     least one of them sees. ``seen`` (n,) is how many of the keys each visible row sees (a staircase),
     None when every visible row sees all of ``cols``; ``triangle`` marks the plain top-left triangle
-    (n == m, row i sees columns <= i) that fused kernels apply without a mask tensor.
+    (n == m, row i sees columns <= i) that fused kernels apply without a mask tensor. The parts
+    :func:`split_region` cuts may start past key 0 (a triangle's tiles on its diagonal).
     """
 
     rows: slice
@@ -172,8 +173,12 @@ def split_region(region: Region, tile: int | None = None) -> list[Region]:
 
     Rows that see all of ``region.cols`` form a suffix (``seen`` is non-decreasing). With ``tile``, a
     rectangle is further cut into tiles of at most ``tile`` rows (what a block allocates -- its output
-    rows -- stays that small).
+    rows -- stays that small), and so is a triangle: each tile of its rows as the rectangle left of the
+    diagonal and a small triangle on it (the fused kernel computes a whole triangle of up to 512 keys
+    either way, so the tiles cost no more than the triangle).
     """
+    if region.triangle:
+        return _triangle_tiles(region.rows.start, region.rows.stop - region.rows.start, tile)
     if region.seen is None:
         return _tiles(region, tile)
     seen, full, start = region.seen, region.cols.stop, region.rows.start
@@ -183,16 +188,34 @@ def split_region(region: Region, tile: int | None = None) -> list[Region]:
         stair = seen[:k]
         j1 = int(stair[-1])
         triangle = k == j1 and torch.equal(stair, torch.arange(1, k + 1))
-        parts.append(Region(slice(start, start + k), slice(0, j1), None if triangle else stair, triangle))
+        if triangle:
+            parts += _triangle_tiles(start, k, tile)
+        else:
+            parts.append(Region(slice(start, start + k), slice(0, j1), stair, False))
     if k < len(seen):
         parts += _tiles(Region(slice(start + k, region.rows.stop), slice(0, full), None, False), tile)
+    return parts
+
+
+def _triangle_tiles(start: int, n: int, tile: int | None) -> list[Region]:
+    """The triangle of rows [start, start + n) x keys [0, n) (row i sees keys <= i - start) in tiles of at
+    most ``tile`` rows: for the tile at offset i, the keys [0, i) as a rectangle and [i, i + t) as a
+    triangle, whose rows and keys start together (the top-left triangle a fused kernel applies)."""
+    if tile is None or n <= tile:
+        return [Region(slice(start, start + n), slice(0, n), None, True)]
+    parts = []
+    for i in range(0, n, tile):
+        e = min(i + tile, n)
+        if i:
+            parts.append(Region(slice(start + i, start + e), slice(0, i), None, False))
+        parts.append(Region(slice(start + i, start + e), slice(i, e), None, True))
     return parts
 
 
 def _tiles(region: Region, tile: int | None) -> list[Region]:
     """A rectangle (no staircase, no triangle) cut into tiles of at most ``tile`` rows."""
     rows = region.rows
-    if tile is None or region.seen is not None or region.triangle or rows.stop - rows.start <= tile:
+    if tile is None or region.seen is not None or rows.stop - rows.start <= tile:
         return [region]
     starts = range(rows.start, rows.stop, tile)
     return [Region(slice(i, min(i + tile, rows.stop)), region.cols, None, False) for i in starts]

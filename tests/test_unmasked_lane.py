@@ -132,18 +132,23 @@ def test_many_short_rows_run_as_two_matmuls_and_match(lane, dtype, b, h, hkv, lq
     st.integers(2, 12),  # Lq
     st.integers(1, 32),  # Lk
     st.booleans(),  # causal (only where Lq == Lk)
-    st.booleans(),  # strided heads, as the module's fused projection gives them
+    st.sampled_from(["contiguous", "strided", "head-major"]),  # how the heads are stored
     st.integers(0, 2**31 - 1),
 )
-def test_short_rows_equal_the_reference_for_any_shape_they_serve(b, heads, lq, lk, causal, strided, seed):
+def test_short_rows_equal_the_reference_for_any_shape_they_serve(b, heads, lq, lk, causal, layout, seed):
     """Any call math.short_attention serves (B*H >= 64, 1..32 keys, Lq >= 2; causal with Lq == Lk; grouped
-    heads; contiguous or strided inputs), forward and backward, against the float64 reference."""
+    heads; contiguous inputs, strided ones as the module's fused projection gives them, or head-major ones
+    as its per-head projection gives them), forward and backward, against the float64 reference."""
     h, hkv = heads
     causal = causal and lq == lk
     if b * h < math_backend.MANY_HEADS:
         b = -(-math_backend.MANY_HEADS // h)
     g = torch.Generator().manual_seed(seed)
-    if strided:  # (B, L, heads*D) buffers split into heads: (B, heads, L, D) views with gaps
+    if layout == "head-major":  # (heads, B, L, D) storage seen as (B, heads, L, D)
+        q = torch.randn(h, b, lq, 8, generator=g, dtype=torch.float64).transpose(0, 1)
+        k, v = (torch.randn(hkv, b, lk, 8, generator=g, dtype=torch.float64).transpose(0, 1) for _ in (0, 1))
+        assert all(math_backend.head_major(t) for t in (q, k, v))
+    elif layout == "strided":  # (B, L, heads*D) buffers split into heads: (B, heads, L, D) views with gaps
         q = torch.randn(b, lq, 2 * h * 8, generator=g, dtype=torch.float64)[..., : h * 8]
         kv = torch.randn(b, lk, 3 * hkv * 8, generator=g, dtype=torch.float64)
         q = q.view(b, lq, h, 8).transpose(1, 2)
@@ -342,6 +347,42 @@ def test_a_module_of_many_short_rows_equals_torchs(causal):
     torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     ga, gb = (torch.autograd.grad(y.sum(), x)[0] for y in (a, b))
     torch.testing.assert_close(ga, gb, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(("b", "length", "heads", "kv_heads", "bias"), [
+    (64, 5, 8, 8, True),  # the seed shape's rows (E = 64 here)
+    (16, 32, 4, 2, True),  # grouped heads: projected head-major, attended through the grouped path
+    (128, 8, 1, 1, False),  # one head, no bias
+])  # fmt: skip
+def test_without_autograd_short_rows_are_projected_one_head_at_a_time(b, length, heads, kv_heads, bias):
+    """Without autograd, few tokens of short rows (math.serves_head_major): one product per head, stored
+    head-major, read by short_attention without a copy; the output equals the float64 module's as closely
+    as torch's own float32 layer does (the 2x rule), and with autograd the fused projection serves."""
+    torch.manual_seed(0)
+    e = 64
+    ours = mh.MultiHeadAttention(e, heads, kv_heads=kv_heads, bias=bias)
+    if bias:
+        nn.init.normal_(ours.in_proj_bias)
+    x = torch.randn(b, length, e)
+    with torch.no_grad():
+        q, k, v = ours.project(x, x, x)
+        assert all(math_backend.head_major(t) for t in (q, k, v))
+        fused = F.linear(x, ours.in_proj_weight, ours.in_proj_bias)  # (B, L, H*D + 2*Hkv*D)
+        torch.testing.assert_close(torch.cat([t.transpose(1, 2).flatten(2) for t in (q, k, v)], -1), fused)
+        got = ours(x)
+        want = ours.double()(x.double())
+        ours.float()
+    if kv_heads == heads:
+        theirs = nn.MultiheadAttention(e, heads, batch_first=True, bias=bias)
+        theirs.load_state_dict(ours.state_dict())
+        with torch.no_grad():
+            peer = theirs.eval()(x, x, x, need_weights=False)[0]
+        bound = 2 * (peer.double() - want).abs().max().item() + 1e-6
+        assert (got.double() - want).abs().max().item() <= bound
+    else:
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    q, k, v = ours.project(x, x, x)  # autograd on: the fused projection's strided views
+    assert not math_backend.head_major(q)
 
 
 # ----------------------------------------------------------------------------------------------

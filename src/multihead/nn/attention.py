@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from ..core import backends as _backends
 from ..core.attention import AttentionOutput, attention
+from ..core.backends import math as _math
 from ..core.checks import check_dropout, check_softcap, positive_int
 from ..core.masks import check_segment_ids
 from ..core.options import AttentionOptions
@@ -256,11 +257,19 @@ class MultiHeadAttention(nn.Module):
         """Inputs (B, L, feat) to heads: q (B, H, Lq, Dk), k (B, Hkv, Lk, Dk), v (B, Hkv, Lk, Dv).
 
         Self-attention (``key is value is query``) uses one fused matmul for Q, K and V; cross-attention
-        with ``key is value`` uses one for K and V.
+        with ``key is value`` uses one for K and V. Without autograd, on short rows of few tokens on the
+        CPU (:func:`~multihead.core.backends.math.serves_head_major`), self-attention uses one product per
+        head instead, which stores the heads head-major: faster there, and the short-row attention then
+        reads them without copying.
         """
         nq, nk, nv = self._proj_sizes()
+        h, hkv = self.num_heads, self.kv_heads
         if self._qkv_same_embed_dim and key is query and value is query:
-            qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias)  # (B, L, Nq+Nk+Nv)
+            w, b = self.in_proj_weight, self.in_proj_bias
+            if self.head_dim == self.v_head_dim and _math.serves_head_major(query, w, b, h):
+                heads = _math.project_head_major(query, w, b, h + 2 * hkv)  # (B, H+2Hkv, L, D), head-major
+                return heads[:, :h], heads[:, h : h + hkv], heads[:, h + hkv :]
+            qkv = F.linear(query, w, b)  # (B, L, Nq+Nk+Nv)
             q, k, v = qkv.split([nq, nk, nv], dim=-1)  # (B, L, Nq), (B, L, Nk), (B, L, Nv)
         else:
             (wq, wk, wv), (bq, bk, bv) = self.proj_weights(), self.proj_biases()
@@ -271,7 +280,7 @@ class MultiHeadAttention(nn.Module):
             else:
                 k = F.linear(key, wk, bk)  # (B, Lk, Hkv*Dk)
                 v = F.linear(value, wv, bv)  # (B, Lk, Hkv*Dv)
-        return split_heads(q, self.num_heads), split_heads(k, self.kv_heads), split_heads(v, self.kv_heads)
+        return split_heads(q, h), split_heads(k, hkv), split_heads(v, hkv)
 
     # ------------------------------------------------------------------------------------------
     # Forward

@@ -232,8 +232,12 @@ def _keras_module(case: Case, device: torch.device) -> Step:
         raise RuntimeError(f"keras runs on the {keras.backend.backend()} backend, not torch")
     x = _module_input(case, device)
     layer = keras.layers.MultiHeadAttention(num_heads=case.heads, key_dim=case.embed_dim // case.heads)
-    training = case.mode == "train"
-    return _step(lambda: layer(x, x, use_causal_mask=case.causal, training=training), case, [x])
+    training, weights = case.mode == "train", case.mode == "weights"  # weights: the per-head scores too
+    return _step(
+        lambda: layer(x, x, use_causal_mask=case.causal, training=training, return_attention_scores=weights),
+        case,
+        [x],
+    )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -28,9 +28,11 @@ COLUMNS: dict[str, tuple[str, ...]] = {
         "cpu_targets",
         "flex_masks_cpu_quiet",
         "seed_shape_cpu",
-        "cpu_targets_zen4",
+        "issue48_zen4_2232",
         "flex_masks_cpu_zen4",
         "seed_shape_cpu_zen4",
+        "cpu_zen4_full",
+        "cpu_targets_zen4",
     ),
     "Zen 5 (EPYC, family 26 model 2)": ("cpu_targets_zen5", "flex_masks_cpu_zen5"),
 }

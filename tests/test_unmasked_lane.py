@@ -349,24 +349,28 @@ def test_a_module_of_many_short_rows_equals_torchs(causal):
     torch.testing.assert_close(ga, gb, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize(("b", "length", "heads", "kv_heads", "bias"), [
-    (64, 5, 8, 8, True),  # the seed shape's rows (E = 64 here)
-    (16, 32, 4, 2, True),  # grouped heads: projected head-major, attended through the grouped path
-    (128, 8, 1, 1, False),  # one head, no bias
+@pytest.mark.parametrize(("b", "length", "e", "heads", "kv_heads", "bias", "per_head"), [
+    (64, 5, 128, 8, 8, True, True),  # the seed shape's rows (E = 128 here: heads of 16)
+    (16, 32, 64, 4, 2, True, True),  # grouped heads: projected head-major, attended through the grouped path
+    (128, 8, 64, 1, 1, False, True),  # one head, no bias
+    (64, 5, 64, 8, 8, True, False),  # heads of 8 dims: the fused projection (narrow products are slower)
+    (16, 4, 512, 32, 32, True, False),  # 96 products of 16 dims: the fused projection
 ])  # fmt: skip
-def test_without_autograd_short_rows_are_projected_one_head_at_a_time(b, length, heads, kv_heads, bias):
-    """Without autograd, few tokens of short rows (math.serves_head_major): one product per head, stored
-    head-major, read by short_attention without a copy; the output equals the float64 module's as closely
-    as torch's own float32 layer does (the 2x rule), and with autograd the fused projection serves."""
+def test_without_autograd_short_rows_are_projected_one_head_at_a_time(
+    b, length, e, heads, kv_heads, bias, per_head
+):
+    """Without autograd, few tokens of short rows of heads wide enough (math.serves_head_major): one product
+    per head, stored head-major, read by short_attention without a copy; the output equals the float64
+    module's as closely as torch's own float32 layer does (the 2x rule); narrow heads, too many products,
+    and autograd keep the fused projection."""
     torch.manual_seed(0)
-    e = 64
     ours = mh.MultiHeadAttention(e, heads, kv_heads=kv_heads, bias=bias)
     if bias:
         nn.init.normal_(ours.in_proj_bias)
     x = torch.randn(b, length, e)
     with torch.no_grad():
         q, k, v = ours.project(x, x, x)
-        assert all(math_backend.head_major(t) for t in (q, k, v))
+        assert all(math_backend.head_major(t) for t in (q, k, v)) == per_head
         fused = F.linear(x, ours.in_proj_weight, ours.in_proj_bias)  # (B, L, H*D + 2*Hkv*D)
         torch.testing.assert_close(torch.cat([t.transpose(1, 2).flatten(2) for t in (q, k, v)], -1), fused)
         got = ours(x)

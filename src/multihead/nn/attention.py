@@ -266,7 +266,7 @@ class MultiHeadAttention(nn.Module):
         h, hkv = self.num_heads, self.kv_heads
         if self._qkv_same_embed_dim and key is query and value is query:
             w, b = self.in_proj_weight, self.in_proj_bias
-            if self.head_dim == self.v_head_dim and _math.serves_head_major(query, w, b, h):
+            if self.head_dim == self.v_head_dim and _math.serves_head_major(query, w, b, h, self.head_dim):
                 heads = _math.project_head_major(query, w, b, h + 2 * hkv)  # (B, H+2Hkv, L, D), head-major
                 return heads[:, :h], heads[:, h : h + hkv], heads[:, h + hkv :]
             qkv = F.linear(query, w, b)  # (B, L, Nq+Nk+Nv)

@@ -224,24 +224,35 @@ def head_major(t: Tensor) -> bool:
     return t.transpose(0, 1).is_contiguous()
 
 
-HEAD_MAJOR_TOKENS = 1024  # tokens (B*L) up to which one GEMM per head beats the fused projection
+HEAD_MAJOR_TOKENS = 1024  # tokens (B*L) up to which one GEMM per head beats the fused projection ...
+HEAD_MAJOR_MIN_DIM = 16  # ... for heads of at least this many dims ...
+HEAD_MAJOR_PRODUCTS = 48  # ... and at most this many products (H + 2*Hkv)
 
 
-def serves_head_major(x: Tensor, weight: Tensor, bias: Tensor | None, heads: int) -> bool:
+def serves_head_major(x: Tensor, weight: Tensor, bias: Tensor | None, heads: int, head_dim: int) -> bool:
     """Whether :func:`project_head_major` is the faster way to project ``x`` (B, L, E) with ``weight``
-    (rows of ``heads`` query heads and their keys and values, E) on this call: float32 on the CPU, no
-    autograd, at most :data:`HEAD_MAJOR_TOKENS` tokens, and short rows of many heads (what
-    :func:`serves_short` serves: its copies of q, k and v then go too).
+    (rows of ``heads`` query heads of ``head_dim`` and their keys and values, E) on this call: float32 on
+    the CPU, no autograd, at most :data:`HEAD_MAJOR_TOKENS` tokens, heads of at least
+    :data:`HEAD_MAJOR_MIN_DIM` dims in at most :data:`HEAD_MAJOR_PRODUCTS` products, and short rows of
+    many heads (what :func:`serves_short` serves: its copies of q, k and v then go too).
 
-    One ``baddbmm`` of ``heads`` (B*L, E) x (E, D) products, against one (B*L, E) x (E, heads*D)
-    ``linear``, on the Zen 4 this was measured on (AMD EPYC family 25 model 17, 2 threads, E = 512 and
-    768): 0.87x / 0.74x the time at 40 tokens, 0.94x / 0.96x at 320 (B=64, L=5), 1.0x at 1,024, 1.17x /
-    1.33x at 4,096 -- hence the bound."""
+    Measured on a Zen 4 (AMD EPYC family 25 model 17, 2 threads), the projection alone, one ``baddbmm``
+    of the per-head (B*L, E) x (E, D) products against one ``linear``: 0.92-0.96x the time at 320 tokens
+    and E = 512 with D >= 64, 0.76-0.85x at E = 1,024, 1.0x at 1,024 tokens, 1.17-1.33x at 4,096 (hence
+    the token bound); with D = 8 it takes 2.6-4.1x, with D = 16 1.2-1.3x. The module, which also saves
+    the three head copies, timed in rounds of random order against torch's MHA (B = 64, L = 5): at
+    E = 512, H = 8 1.10-1.14x torch against 1.02-1.03x the fused way (one run 0.99x against 0.94x); at
+    E = 256 with D = 64 1.05-1.21x against 0.98-1.01x, with D = 16 1.27x against 1.16x; at E = 512 with
+    D = 32 (48 products) 1.03x against 0.95x; but 0.87x against 0.94x with 96 products of D = 16 (B = 16,
+    L = 20, H = 32), 0.70x against 1.15x at D = 8 (E = 128) and 0.82x against 1.01x at D = 8 (E = 64)
+    -- hence the bounds on D and on the products."""
     b, length, _ = x.shape
     return (
         2 <= length <= SHORT_KEYS
         and b * length <= HEAD_MAJOR_TOKENS
         and b * heads >= MANY_HEADS
+        and head_dim >= HEAD_MAJOR_MIN_DIM
+        and weight.shape[0] <= HEAD_MAJOR_PRODUCTS * head_dim
         and x.dtype == torch.float32
         and x.device.type == "cpu"
         and not needs_grad(x, weight, bias)

@@ -165,6 +165,12 @@ SHORT_KEYS = 32  # keys at and below which ...
 MANY_HEADS = 64  # ... and B*H at and above which short_attention beats the CPU's fused kernel
 
 
+def _many_short_rows(b: int, h: int, lq: int, lk: int) -> bool:
+    """B*H >= :data:`MANY_HEADS` rows of Lq >= 2 queries over 1..:data:`SHORT_KEYS` keys (no keys: the fused
+    kernel's zeros, every row dead); a decode step (Lq = 1) and long rows leave at the first tests."""
+    return 2 <= lq and 1 <= lk <= SHORT_KEYS and b * h >= MANY_HEADS
+
+
 def serves_short(q: Tensor, k: Tensor, is_causal: bool) -> bool:
     """Whether :func:`short_attention` is the faster way to run q (B, H, Lq, D) against k (B, Hkv, Lk, D) on
     the CPU: many short rows (1 <= Lk <= :data:`SHORT_KEYS`, B*H >= :data:`MANY_HEADS`, Lq >= 2), where the
@@ -172,10 +178,8 @@ def serves_short(q: Tensor, k: Tensor, is_causal: bool) -> bool:
     time, 0.37x forward+backward; it wins from about 128 keys on, and at Lq = 1)."""
     b, h, lq, _ = q.shape
     lk = k.shape[2]
-    return (  # the shape first: a decode step (Lq = 1) and long rows leave at the first test
-        2 <= lq
-        and 1 <= lk <= SHORT_KEYS  # no keys: the fused kernel's zeros (every row dead)
-        and b * h >= MANY_HEADS
+    return (  # the shape first
+        _many_short_rows(b, h, lq, lk)
         and (lq == lk or not is_causal)
         and q.dtype in (torch.float32, torch.float64)
         and q.device.type == "cpu"
@@ -193,29 +197,27 @@ def short_attention(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: flo
     ``_attend``'s 4-D matmuls when called alone in a loop, 0.8x interleaved with other kernels."""
     b, h, lq, dk = q.shape
     hkv, lk, dv = k.shape[1], k.shape[2], v.shape[-1]
-    if h == hkv and all(head_major(t) for t in (q, k, v)):  # (H, B, L, D) storage: batch (H, B), no copy
-        qb, kb, vb = (t.transpose(0, 1).reshape(h * b, t.shape[2], t.shape[3]) for t in (q, k, v))
-        w = _short_softmax(torch.bmm(qb, kb.transpose(1, 2)).mul_(scale), is_causal, h, hkv, lq, lk)
-        return torch.bmm(w, vb).view(h, b, lq, dv).transpose(0, 1)  # (B, H, Lq, Dv), a view
-    qg = group_queries(q, hkv).reshape(b * hkv, (h // hkv) * lq, dk)  # (B*Hkv, G*Lq, Dk)
-    s = torch.bmm(qg, k.reshape(b * hkv, lk, dk).transpose(1, 2)).mul_(scale)  # (B*Hkv, G*Lq, Lk)
-    w = _short_softmax(s, is_causal, h, hkv, lq, lk)
-    out = torch.bmm(w, v.reshape(b * hkv, lk, dv))  # (B*Hkv, G*Lq, Dv)
-    return ungroup(out.view(b, hkv, -1, dv), h)  # (B, H, Lq, Dv)
-
-
-def _short_softmax(s: Tensor, is_causal: bool, h: int, hkv: int, lq: int, lk: int) -> Tensor:
-    """softmax over the last dim of scores (N, G*Lq, Lk), causal (Lq == Lk) when asked, in place when
-    nothing needs a backward pass: (N, G*Lq, Lk)."""
+    head_first = h == hkv and all(head_major(t) for t in (q, k, v))
+    if head_first:  # (H, B, L, D) storage: batches in (H, B) order are views, nothing copied
+        qg, kb, vb = (t.transpose(0, 1).reshape(h * b, t.shape[2], t.shape[3]) for t in (q, k, v))
+    else:
+        qg = group_queries(q, hkv).reshape(b * hkv, (h // hkv) * lq, dk)  # (B*Hkv, G*Lq, Dk)
+        kb, vb = k.reshape(b * hkv, lk, dk), v.reshape(b * hkv, lk, dv)  # (B*Hkv, Lk, D*)
+    s = torch.bmm(qg, kb.transpose(1, 2)).mul_(scale)  # (N, G*Lq, Lk), N = B*Hkv batches
     if is_causal:  # Lq == Lk: the same (Lq, Lk) triangle for each of the G query groups
-        keep = group_mask(causal(lq, lk, device=s.device).view(1, 1, lq, lk), h, hkv, lq)  # (1, 1, G*Lq, Lk)
+        keep = group_mask(causal(lq, lk, device=q.device).view(1, 1, lq, lk), h, hkv, lq)  # (1, 1, G*Lq, Lk)
         s = s.masked_fill_(~keep.reshape(-1, lk), float("-inf"))  # (G*Lq, Lk) over (N, G*Lq, Lk)
     s = s.sub_(s.detach().amax(-1, keepdim=True))  # a constant shift per row: no gradient flows through it
     if torch.is_grad_enabled() and s.requires_grad:
         e = s.exp()
-        return e / e.sum(-1, keepdim=True)
-    w = s.exp_()  # nothing to keep for a backward pass: in place
-    return w.div_(w.sum(-1, keepdim=True))
+        w = e / e.sum(-1, keepdim=True)
+    else:  # nothing to keep for a backward pass: in place
+        w = s.exp_()
+        w = w.div_(w.sum(-1, keepdim=True))
+    out = torch.bmm(w, vb)  # (N, G*Lq, Dv)
+    if head_first:
+        return out.view(h, b, lq, dv).transpose(0, 1)  # (B, H, Lq, Dv), a view
+    return ungroup(out.view(b, hkv, -1, dv), h)  # (B, H, Lq, Dv)
 
 
 def head_major(t: Tensor) -> bool:
@@ -248,9 +250,8 @@ def serves_head_major(x: Tensor, weight: Tensor, bias: Tensor | None, heads: int
     -- hence the bounds on D and on the products."""
     b, length, _ = x.shape
     return (
-        2 <= length <= SHORT_KEYS
+        _many_short_rows(b, heads, length, length)
         and b * length <= HEAD_MAJOR_TOKENS
-        and b * heads >= MANY_HEADS
         and head_dim >= HEAD_MAJOR_MIN_DIM
         and weight.shape[0] <= HEAD_MAJOR_PRODUCTS * head_dim
         and x.dtype == torch.float32

@@ -179,3 +179,22 @@ def test_a_block_mask_for_an_empty_batch(backend):
     bm = create_block_mask(lambda b, h, i, j: i >= j, 0, 2, 3, 3, device="cpu", BLOCK_SIZE=8)
     q, k, v = make_qkv(0, 2, 2, 3, 3, 4, 4)
     assert mh.attention(q, k, v, mask=bm, backend=backend).shape == (0, 2, 3, 4)
+
+
+@pytest.mark.parametrize("backend", ["auto", *BACKENDS])
+@pytest.mark.parametrize("mask", [None, "broadcast"])
+def test_no_keys_with_sinks_reads_no_query(backend, mask):
+    # found by `make fuzz` (2026-11-29): with Lk = 0 every row is dead, but a (.., 1) mask broadcast over no
+    # keys, or no mask at all, left it unrecorded; the sink key then read the query's garbage (NaN out)
+    q = torch.full((1, 2, 3, 4), float("nan"), dtype=torch.float64, requires_grad=True)
+    k, v = (torch.zeros(1, 2, 0, 4, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    sinks = torch.tensor([0.2, -1.0], dtype=torch.float64, requires_grad=True)
+    kw = {"sinks": sinks, "scale": -1.0}
+    if mask:
+        kw["mask"] = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+    out = mh.attention(q, k, v, backend=backend, **kw)
+    want = mh.attention_reference(torch.zeros_like(q), k, v, **kw)
+    _close(out, want)
+    assert not out.isnan().any()
+    grads = torch.autograd.grad(out.sum(), (q, sinks))
+    assert all(g is None or not g.isnan().any() for g in grads)

@@ -117,6 +117,8 @@ def normalize(
     if valid_lens is not None:
         check_valid_lens(valid_lens, b, lq, dev)
         keep = combine(keep, from_valid_lens(valid_lens.to(device), lk, lq))
+    if lk == 0:  # no keys: every row is dead, whatever a mask broadcast over them says (or none at all)
+        keep = combine(keep, torch.zeros(1, 1, 1, 0, dtype=torch.bool, device=dev))  # (1, 1, 1, 0)
     if mask_fn is not None or bias_fn is not None or segments is not None:  # function mode
         norm = _dense(keep, dense_bias)
         norm.causal, norm.mask_fn, norm.bias_fn, norm.segments = causal, mask_fn, bias_fn, segments

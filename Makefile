@@ -11,7 +11,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
-PIP := -m pip install -q --disable-pip-version-check
+# --no-cache-dir: pip's cache would keep a second copy of every download (the floor job's torch and its CUDA
+# libraries: about 3 GB) on a CI machine whose disk can be small (docs/development.md, "Disk")
+PIP := -m pip install -q --disable-pip-version-check --no-cache-dir
 # the wheel's smoke test: a fresh venv (not even pip) that sees .venv's torch and torch's own dependencies
 # and nothing else (tests/smoke_env.py links them: no second install of torch, no second compile of it), and
 # the wheel with its declared dependencies, installed by .venv's pip
@@ -103,7 +105,8 @@ FLOOR_SKIP := --ignore=tests/test_seeds_keras.py \
 $(FLOOR_STAMP): pyproject.toml requirements-floor.txt
 	@start=$$(date +%s); \
 	( test -x $(FLOOR_PY) || $(PYTHON) -m venv $(FLOOR_VENV) ) && \
-	$(FLOOR_PY) $(PIP) -r requirements-floor.txt transformers && \
+	{ $(FLOOR_PY) tests/uv_install.py -r requirements-floor.txt transformers || \
+	  $(FLOOR_PY) $(PIP) -r requirements-floor.txt transformers; } && \
 	$(FLOOR_PY) $(PIP) --no-build-isolation --no-deps -e . && \
 	echo "floor venv: $$(( $$(date +%s) - start )) s to install, $$(du -sh $(FLOOR_VENV) | cut -f1) on disk"
 	touch $(FLOOR_STAMP)

@@ -15,6 +15,7 @@ does (``--index-strategy unsafe-best-match``).
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -56,9 +57,16 @@ def main(argv: list[str]) -> int:
         return 1
     listing = subprocess.run([py, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
     uv = Path(py).parent / "uv"
-    cmd = [str(uv), "pip", "install", "-q", "--python", py, "--compile-bytecode"]
-    cmd += ["--index-strategy", "unsafe-best-match", *pip_options(listing), *argv]
-    return subprocess.run(cmd).returncode
+    # uv's cache goes inside the venv, so its unpacked wheels are hard-linked into site-packages (the same file
+    # system), then it is dropped: the install holds one copy of each file at every moment, with no download
+    # temp beside it (docs/development.md, "Disk"). A cache elsewhere is a second copy of everything.
+    cache = Path(sys.prefix) / ".uv-cache"
+    cmd = [str(uv), "pip", "install", "-q", "--python", py, "--compile-bytecode", "--cache-dir", str(cache)]
+    cmd += ["--link-mode", "hardlink", "--index-strategy", "unsafe-best-match", *pip_options(listing), *argv]
+    try:
+        return subprocess.run(cmd).returncode
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
 
 
 if __name__ == "__main__":

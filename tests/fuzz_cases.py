@@ -219,7 +219,13 @@ def masks(draw: st.DrawFn, shape: Shape, g: torch.Generator, *, functions: bool 
     if draw(st.integers(0, 3)) == 0:
         kw["softcap"] = draw(st.sampled_from([0.5, 3.0, 50.0]))
     if draw(st.integers(0, 3)) == 0:
-        kw["sinks"] = torch.randn(s.h, generator=g, dtype=torch.float64).requires_grad_(True)
+        sinks = torch.randn(s.h, generator=g, dtype=torch.float64)  # (H,)
+        spread = draw(st.sampled_from(["randn", "some heads without (-inf)", "large"]))
+        if spread == "large":  # a sink far above or below every score
+            sinks = sinks * 1e3
+        elif spread != "randn":
+            sinks = sinks.masked_fill(torch.rand(s.h, generator=g) < 0.5, float("-inf"))
+        kw["sinks"] = sinks.requires_grad_(True)
     if draw(st.integers(0, 2)) == 0:
         kw["scale"] = draw(st.sampled_from([-1.0, -0.5, 0.0, 0.3, 2.0, 1]))
     if draw(st.integers(0, 3)) == 0:

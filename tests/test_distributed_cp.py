@@ -99,6 +99,26 @@ CASES = [
         pieces=2,
     ),
     _case("h-softcap-sinks", strategy="hybrid", softcap=2.0, sinks=True, causal=True, lq=16, h=8, chunks=2),
+    # sinks of -inf (heads with none) where padding and packing leave rows with no key
+    _case(
+        "r-no-sink-heads",
+        strategy="ring",
+        sinks="some heads without",
+        key_mask=True,
+        segments=True,
+        lq=21,
+        pieces=2,
+    ),
+    _case("u-no-sink-heads", **(_EVERY_OPTION | {"sinks": "some heads without"})),
+    _case(
+        "h-no-sink-heads",
+        strategy="hybrid",
+        sinks="some heads without",
+        segments=True,
+        valid="BL",
+        lq=13,
+        chunks=2,
+    ),
     _case("r-segments", strategy="ring", causal=True, layout="zigzag", segments=True, lq=16),
     _case("r-segments-uneven", strategy="ring", segments=True, key_mask=True, lq=13),
     _case("r-segments-cross", strategy="ring", segments=True, lq=8, lk=12),
@@ -123,7 +143,9 @@ def _inputs(c):
         kw["mask"] = lambda b_, h_, qi, ki: (qi - ki).abs() <= 5 + h_  # depends on global head and position
     if c["bias_fn"]:
         kw["bias"] = lambda b_, h_, qi, ki: 0.1 * (h_ + 1) * (ki - qi).float() / 8
-    sinks = torch.randn(h, generator=g, dtype=torch.float64) if c["sinks"] else None
+    sinks = torch.randn(h, generator=g, dtype=torch.float64) if c["sinks"] else None  # (H,)
+    if c["sinks"] == "some heads without":
+        sinks[::2] = float("-inf")  # a head with no sink: NaN in rows with no key before the fix
     return (q, k, v, gout, sinks), kw, keep
 
 

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from . import backends as _backends
 from . import masks as _masks
-from .checks import check_dropout, check_flag, check_scale, check_softcap
+from .checks import check_dropout, check_flag, check_scale, check_softcap, is_tracing
 from .masks.blocks import from_flex, is_flex_block_mask
 from .options import AttentionOptions, AttentionOutput, options_of, output_and_weights
 
@@ -101,7 +101,28 @@ def check_sinks(sinks: Tensor | None, q: Tensor) -> Tensor | None:
         raise ValueError(
             f"sinks is on {sinks.device} but q is on {q.device}; move it with sinks.to(q.device)"
         )
-    return sinks.to(q.dtype)
+    cast = sinks.to(q.dtype)
+    _check_sink_values(sinks, cast)
+    return cast
+
+
+def _check_sink_values(sinks: Tensor, cast: Tensor) -> None:
+    """A sink is a finite logit, or -inf (that head has none). NaN, or +inf in q's dtype (a finite float32
+    sink over float16's range included), would make every row of its head NaN on some backends and 0 on
+    others: refused, by value, on the CPU only (on a GPU the check would make the host wait for the device
+    on every call, as for ``valid_lens``), and not while tracing."""
+    if cast.device.type != "cpu" or is_tracing() or not cast.numel():
+        return
+    bad = torch.isnan(cast) | torch.isposinf(cast)  # (H,)
+    if not bool(bad.any()):
+        return
+    i = int(bad.nonzero()[0, 0])
+    got, held = sinks[i].item(), cast[i].item()
+    as_held = "" if got == held or got != got else f" ({cast.dtype}, q's dtype, holds it as {held})"
+    raise ValueError(
+        f"sinks must be finite logits, or -inf for a head with no sink; got {got}{as_held} for head {i}. "
+        f"A large finite logit (e.g. 1e4) makes a head attend to nearly nothing"
+    )
 
 
 def prepare(
@@ -288,7 +309,8 @@ def attention(
         softcap: ``None`` or c > 0: scores -> c * tanh(scores / c) (Gemma 2's logit soft-capping).
         sinks: ``None`` or float (H,): a per-head logit that joins every row's softmax denominator and
             carries no value (gpt-oss's attention sinks); gradients flow to it. Returned weights are over
-            the real keys and sum to less than 1.
+            the real keys and sum to less than 1. A sink is finite, or ``-inf`` (that head has none); NaN or
+            ``+inf`` (in q's dtype) raises ``ValueError`` on the CPU.
         scale: score scale, default 1/sqrt(Dk).
         dropout: probability of dropping attention weights; applied only when > 0 (pass 0 in eval).
         return_weights: also return the per-head weights (B, H, Lq, Lk), before dropout.
@@ -448,7 +470,9 @@ def reference_with(
     if sinks is None:
         weights = torch.softmax(scores, dim=-1)  # (B, H, Lq, Lk)
     else:
-        sink = sinks.view(1, h, 1, 1).expand(b, h, lq, 1)  # (B, H, Lq, 1)
+        # a dead row's sink is 0 as its scores are (its weights are zeroed below): a head with no sink (-inf)
+        # would otherwise make a row of no keys all -inf, NaN in softmax's backward
+        sink = sinks.view(1, h, 1, 1).expand(b, h, lq, 1).masked_fill(~row_ok, 0.0)  # (B, H, Lq, 1)
         weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :lk]  # (B, H, Lq, Lk)
     weights = weights * row_ok
     if visit is not None:

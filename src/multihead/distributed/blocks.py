@@ -282,8 +282,9 @@ def add_sinks(state: SoftmaxState, sinks: Tensor) -> None:
     """In place: ``state`` (out (B, H, Lq, Dv), lse (B, H, Lq) over every key) absorbs one sink logit per
     head, ``sinks`` (H,): a key with that score and a zero value (it takes weight, adds nothing)."""
     sink = sinks.to(state.lse.dtype)[None, :, None]  # (1, H, 1)
-    new = torch.logaddexp(state.lse, sink)  # (B, H, Lq): finite, a sink is always seen
-    state.out.mul_(torch.exp(state.lse - new)[..., None])  # rows that saw no key stay 0
+    new = torch.logaddexp(state.lse, sink)  # (B, H, Lq): -inf where a row saw no key and the head no sink
+    safe = new.masked_fill(torch.isneginf(new), 0.0)  # (-inf) - (-inf) would be NaN there
+    state.out.mul_(torch.exp(state.lse - safe)[..., None])  # rows that saw no key stay 0
     state.lse.copy_(new)
 
 
@@ -291,7 +292,10 @@ def sinks_grad(sinks: Tensor, dout: Tensor, final: SoftmaxState) -> Tensor:
     """d loss / d ``sinks`` (H,) from this rank's rows: ``-sum over rows of p_sink * rowsum(dout * out)``,
     with ``p_sink = exp(sink - lse)`` the sink's final weight (``dout``, ``final.out`` (B, H, Lq, Dv))."""
     delta = (dout * final.out).sum(dim=-1)  # (B, H, Lq)
-    p_sink = torch.exp(sinks.to(final.lse.dtype)[None, :, None] - final.lse)  # (B, H, Lq)
+    lse = final.lse.masked_fill(
+        torch.isneginf(final.lse), 0.0
+    )  # no key and no sink (-inf): p_sink 0, not NaN
+    p_sink = torch.exp(sinks.to(final.lse.dtype)[None, :, None] - lse)  # (B, H, Lq)
     return -(p_sink * delta).sum(dim=(0, 2)).to(sinks.dtype)  # (H,)
 
 

@@ -30,8 +30,12 @@ class OnlineSoftmax:
         if sinks is None:
             return cls(like.new_full((b, h, n, 1), float("-inf")), like.new_zeros(b, h, n, 1), acc)
         sink = sinks.to(like.dtype).view(1, h, 1, 1)  # (1, H, 1, 1)
-        top = sink.detach().expand(b, h, n, 1)
-        return cls(top, torch.exp(sink - sink.detach()).expand(b, h, n, 1), acc)  # exp(0) = 1, with grad
+        top = sink.detach()
+        shift = top.masked_fill(
+            torch.isneginf(top), 0.0
+        )  # a head with no sink (-inf): exp(-inf) = 0, not NaN
+        total = torch.exp(sink - shift)  # exp(0) = 1 for a finite sink, with its gradient
+        return cls(top.expand(b, h, n, 1), total.expand(b, h, n, 1), acc)
 
     def add(self, s: Tensor, v: Tensor, g: int, grad: bool) -> None:
         """Join the scores s (Bs, H, n, w) of one span with its values v (Bs, Hkv, w, Dv)."""

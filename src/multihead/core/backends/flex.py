@@ -170,8 +170,9 @@ class FlexBackend:
         if call.sinks is not None:
             assert lse is not None
             sink = call.sinks.view(1, h, 1).to(lse.dtype)  # (1, H, 1)
-            lse = torch.where(torch.isneginf(lse), sink, lse)  # a row with no key: out is 0 already
-            out = out * torch.sigmoid(lse - sink).unsqueeze(-1).to(out.dtype)  # (B, H, Lq, Dv)
+            # a row with no key: out is 0 already, and lse - sink would be NaN for a head with no sink (-inf)
+            gap = torch.where(torch.isneginf(lse), 0.0, lse - sink)  # (B, H, Lq)
+            out = out * torch.sigmoid(gap).unsqueeze(-1).to(out.dtype)  # (B, H, Lq, Dv)
         return zero_dead_rows(out, m.row_ok), None
 
 

@@ -144,7 +144,9 @@ def _attend(
     if extra.sinks is not None:  # the log-sum-exp in float32 at least: rounded to bf16 it is off by ~1%
         wide = scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores
         lse = torch.logsumexp(wide, dim=-1, keepdim=True)  # (B, Hkv, G*Lq, 1)
-        sink_share = torch.sigmoid(lse - extra.sinks.to(lse.dtype)).to(scores.dtype)  # (B, Hkv, G*Lq, 1)
+        # a row with no key (Lk = 0) gets share 0, also in a head with no sink, where -inf - -inf is NaN
+        gap = (lse - extra.sinks.to(lse.dtype)).masked_fill(torch.isneginf(lse), float("-inf"))
+        sink_share = torch.sigmoid(gap).to(scores.dtype)  # (B, Hkv, G*Lq, 1)
     # In place where no backward pass needs the scores (a buffer given, or no autograd): a second (..., Lk)
     # tensor is a fresh allocation whose first touch costs as much as the softmax itself (page faults on
     # a VM: a cached pattern at 256 tokens took 2.5 ms a layer out of place, 0.7 ms in place)

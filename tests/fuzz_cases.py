@@ -155,6 +155,10 @@ def _bias_fns(shape: Shape, g: torch.Generator) -> dict[str, object]:
         "alibi_fn": mh.masks.alibi_fn(shape.h, lq=lq, lk=lk),
         "relative_fn": mh.masks.relative_position_fn(table, lq=lq, lk=lk),
         "lambda_bias": lambda b, h, i, j: (i - j).double() * 0.25 + h,
+        # a score_mod as FlexAttention users write one that masks: -inf for the pairs it forbids
+        "masking_bias": lambda b, h, i, j: torch.where(
+            (i - j).abs() > 2, float("-inf"), (i - j).double() * 0.1
+        ),
         "tensor_fn": mh.masks.tensor_fn(
             torch.randn(1, shape.h, lq, lk, generator=g, dtype=torch.float64).to(DEVICE)
         ),
@@ -227,7 +231,7 @@ def masks(draw: st.DrawFn, shape: Shape, g: torch.Generator, *, functions: bool 
             sinks = sinks.masked_fill(torch.rand(s.h, generator=g) < 0.5, float("-inf"))
         kw["sinks"] = sinks.requires_grad_(True)
     if draw(st.integers(0, 2)) == 0:
-        kw["scale"] = draw(st.sampled_from([-1.0, -0.5, 0.0, 0.3, 2.0, 1]))
+        kw["scale"] = draw(st.sampled_from([-1.0, -0.5, 0.0, 0.3, 2.0, 1, 30.0, -30.0]))  # 30: near one-hot
     if draw(st.integers(0, 3)) == 0:
         kw["dropout"] = draw(st.sampled_from([0.0, 0]))
     if draw(st.integers(0, 3)) == 0:

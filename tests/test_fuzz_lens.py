@@ -34,6 +34,18 @@ def _dead(scores: torch.Tensor) -> torch.Tensor:
     return torch.isneginf(scores).all(-1, keepdim=True)
 
 
+def _by_hand_pattern(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """softmax over each row's keys and, with ``sinks`` (H,), the head's sink logit in the denominator;
+    rows with no key 0 -> (B, H, Lq, Lk)."""
+    if sinks is None:
+        p = scores.softmax(-1)
+    else:
+        b, h, lq, _ = scores.shape
+        sink = sinks.detach().to(scores.dtype).view(1, h, 1, 1).expand(b, h, lq, 1)  # (B, H, Lq, 1)
+        p = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    return torch.where(_dead(scores), 0.0, p.nan_to_num(0.0))
+
+
 def _by_hand_z(pattern: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """z = pattern @ v with each kv head shared by its group of query heads."""
     group = pattern.shape[1] // v.shape[1]
@@ -62,9 +74,8 @@ def test_a_cache_observes_and_its_points_agree_by_hand(call):
     for name, t in zip(lens.POINTS, (q, k, v, pattern, z, result), strict=False):
         assert not t.isnan().any(), f"{name} holds NaN"
     assert not scores.isnan().any() and not (scores == float("inf")).any()
-    dead = _dead(scores)
-    want = torch.where(dead, 0.0, scores.softmax(-1).nan_to_num(0.0))
-    close(pattern, want, "pattern = softmax(scores), dead rows zero")
+    want = _by_hand_pattern(scores, getattr(m, "sinks", None))
+    close(pattern, want, "pattern = softmax(scores, with the sink in the denominator), dead rows zero")
     close(z, _by_hand_z(pattern, v), "z = pattern @ v")
     bias = m.out_proj.bias if m.out_proj.bias is not None else 0.0
     close(result.sum(1) + bias, seen, "the heads' results plus the bias = the output")
@@ -76,7 +87,7 @@ def test_an_edit_changes_the_output_as_recomputing_by_hand(call, data):
     config, seed, inputs, kw, _ = call
     m = _module(config, seed)
     kw.pop("return_weights", None)
-    with lens.cache(m, points=("v", "pattern", "z")) as c:
+    with lens.cache(m, points=("v", "scores", "pattern", "z")) as c:
         base = _out(m(*inputs, **kw))
     z, h, hkv = c["", "z"], config["num_heads"], config["kv_heads"] or config["num_heads"]
     point = data.draw(st.sampled_from(["z", "pattern", "v", "scores"]))
@@ -86,7 +97,7 @@ def test_an_edit_changes_the_output_as_recomputing_by_hand(call, data):
     def edit(t, ctx):
         t = t.clone()
         if point == "scores":
-            t[:, head] += factor  # softmax ignores a shift: the output must not move
+            t[:, head] += factor  # softmax ignores a shift, unless a sink shares the denominator
         else:
             t[:, head] *= factor
         return t
@@ -99,7 +110,12 @@ def test_an_edit_changes_the_output_as_recomputing_by_hand(call, data):
     elif point == "v":
         group = h // hkv
         want_z[:, head * group : (head + 1) * group] *= factor  # the query heads sharing that kv head
-    want = m.out_proj(merge_heads(want_z)) if point != "scores" else base
+    sinks = getattr(m, "sinks", None)
+    if point == "scores" and sinks is not None:  # the shifted head's pattern against its sink, by hand
+        scores = c["", "scores"].clone()
+        scores[:, head] += factor
+        want_z[:, head] = _by_hand_z(_by_hand_pattern(scores, sinks), c["", "v"])[:, head]
+    want = m.out_proj(merge_heads(want_z)) if point != "scores" or sinks is not None else base
     close(got, want, f"output after {point} of head {head} edited by {factor}")
 
 

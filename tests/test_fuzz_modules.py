@@ -44,13 +44,20 @@ def module_configs(draw):
         "out_dim": draw(st.sampled_from([None, 7])),
         "bias": draw(st.booleans()),
         "rotary": draw(st.booleans()) and (head_dim or embed // h) % 2 == 0,
+        "softcap": draw(st.sampled_from([None, None, 2.0])),
+        "sinks": draw(st.booleans()),
         "dtype": torch.float64,
     }
 
 
 def _module(config: dict, seed: int, **extra) -> mh.MultiHeadAttention:
     torch.manual_seed(seed)
-    return mh.MultiHeadAttention(**config, **extra)
+    m = mh.MultiHeadAttention(**config, **extra)
+    if getattr(m, "sinks", None) is not None:  # as learned: any value, and some heads without a sink (-inf)
+        with torch.no_grad():
+            s = torch.randn(m.sinks.shape, dtype=m.sinks.dtype)  # (H,)
+            m.sinks.copy_(s.masked_fill(torch.rand(s.shape) < 0.3, float("-inf")))
+    return m
 
 
 @st.composite

@@ -31,6 +31,8 @@ def _disagreements():
     attempt("chunks", lambda: mhd.ulysses_attention(x, x, x, head_chunks=2 if rank == 0 else None))
     attempt("softcap", lambda: mhd.ring_attention(x, x, x, softcap=5.0 if rank == 0 else None))
     attempt("bad-chunks", lambda: mhd.ulysses_attention(x, x, x, head_chunks=0 if rank == 0 else 1))
+    sinks = torch.tensor([float("nan") if rank == 0 else 0.0, 0.0, 0.0, 0.0])  # (H,): one rank's is NaN
+    attempt("nan-sink", lambda: mhd.ring_attention(x, x, x, sinks=sinks))
     model = mh.MultiHeadAttention(16, 4)
 
     def enter():
@@ -53,17 +55,19 @@ def test_ranks_that_disagree_all_raise_the_same_error():
         "chunks": "same head_chunks; ranks 0..1 gave [2, 0]",
         "softcap": "same softcap; ranks 0..1 gave [1, 0]",
         "cp-strategy": "context_parallel: every rank must pass the same strategy",
+        "nan-sink": "sinks must be finite logits, or -inf for a head with no sink; got nan for head 0",
     }
     for name, words_ in words.items():
         got = [r[name] for r in per_rank]
         assert got[0] == got[1], f"{name}: ranks raised different errors {got}"
         assert got[0][0] == "ValueError" and words_ in got[0][1], got[0]
     assert all(r["after"] is None for r in per_rank)
-    # a rank whose own argument is wrong raises its own error; the other names it (no hang)
-    assert (
-        per_rank[0]["bad-chunks"][0] == "ValueError" and "head_chunks must be" in per_rank[0]["bad-chunks"][1]
-    )
-    assert "rank(s) [0] rejected their inputs" in per_rank[1]["bad-chunks"][1]
+    # a rank whose own argument is wrong: every rank raises its error, naming it (no hang)
+    for r in per_rank:
+        assert r["bad-chunks"][0] == "ValueError", r["bad-chunks"]
+        assert "ulysses_attention: rank 0's inputs: head_chunks must be" in r["bad-chunks"][1], r[
+            "bad-chunks"
+        ]
 
 
 def _lonely(rank, path, strategy, results):

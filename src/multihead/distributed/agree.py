@@ -408,11 +408,9 @@ def _agreed_table(
     except (TypeError, ValueError) as exc:
         error, meta = exc, Meta(*([0] * len(Meta._fields)))
     table = agree(meta, group, caller, like=q)  # P rows, identical on every rank
-    if error is not None:
-        raise error
     bad = [s for s, row in enumerate(table) if not row.ok]
     if bad:
-        raise RuntimeError(f"{caller}: rank(s) {bad} rejected their inputs (their own error says why)")
+        raise shared_error(error, bad, group, caller) from error
     for field in Meta._fields:
         values = [getattr(row, field) for row in table]
         if field not in _PER_RANK and len(set(values)) > 1:
@@ -422,6 +420,21 @@ def _agreed_table(
                 f"ranks 0..{len(table) - 1} gave {shown}"
             )
     return table, ids, scale
+
+
+def shared_error(error: Exception | None, bad: list[int], group: Any, caller: str) -> Exception:
+    """The one error every rank raises when the ranks ``bad`` rejected their own inputs: the first one's
+    ``ValueError`` or ``TypeError`` and its message, naming that rank. A collective on this path only (every
+    rank knows from the agreed table that it is taken): one all-gather of each rank's error, or None."""
+    mine = None if error is None else (type(error).__name__, str(error))
+    every: list[Any] = [None] * dist.get_world_size(group)
+    with answered(caller):
+        dist.all_gather_object(every, mine, group=group)
+    kind, message = every[bad[0]] or ("ValueError", "(no message)")
+    also = f" (ranks {bad} rejected theirs)" if len(bad) > 1 else ""
+    return (TypeError if kind == "TypeError" else ValueError)(
+        f"{caller}: rank {bad[0]}'s inputs: {message}{also}"
+    )
 
 
 def agree(meta: Meta, group: Any, caller: str, *, like: object = None) -> list[Meta]:

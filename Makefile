@@ -12,7 +12,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 # --no-cache-dir: pip's cache would keep a second copy of every download (the floor job's torch and its CUDA
-# libraries: about 3 GB) on a CI machine whose disk can be small (docs/development.md, "Disk")
+# libraries: about 4 GiB) on a CI machine whose disk can be small (docs/development.md, "Disk")
 PIP := -m pip install -q --disable-pip-version-check --no-cache-dir
 # the wheel's smoke test: a fresh venv (not even pip) that sees .venv's torch and torch's own dependencies
 # and nothing else (tests/smoke_env.py links them: no second install of torch, no second compile of it), and

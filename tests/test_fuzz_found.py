@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from attention_cases import make_qkv
+from test_backends_fast import _flex_eager
 
 import multihead as mh
 from multihead.compat.torch import MultiheadAttention as DropIn
@@ -211,20 +212,6 @@ def _sink_case(dead_rows: bool):
     return q, k, v, mask
 
 
-def _flex_eager(call):
-    import warnings
-
-    from multihead.core.backends.flex import FlexBackend
-
-    backend = FlexBackend(
-        compiled=False
-    )  # FlexAttention's eager path: the flex backend's sink plumbing on CPU
-    assert list(backend.why_not(call)) == []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return backend(call)[0]
-
-
 @pytest.mark.parametrize(
     ("backend", "grad"),
     [(b, g) for b in ("auto", "blocked", "math", "sdpa") for g in (False, True)] + [("flex-eager", False)],
@@ -241,7 +228,7 @@ def test_a_head_with_no_sink_is_minus_inf(backend, grad, dead_rows, sinks):
     want = mh.attention_reference(q, k, v, mask=mask, sinks=s)
     qf, kf, vf, sf = (t.float().requires_grad_(grad) for t in (q, k, v, s))
     if backend == "flex-eager":
-        out = _flex_eager(prepare(qf, kf, vf, mask=mask, sinks=sf))
+        out = _flex_eager(qf, kf, vf, mask=mask, sinks=sf)  # the flex backend's sink plumbing, on CPU
     elif backend == "blocked":
         call = prepare(qf, kf, vf, mask=mask, sinks=sf)
         out = BlockedBackend()(call)[0]  # forced: auto leaves calls this small to math

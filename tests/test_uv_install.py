@@ -1,5 +1,6 @@
 """tests/uv_install.py hands pip's configuration to uv as pip would obey it (`make venv` installs with it)."""
 
+import pytest
 import uv_install  # tests/uv_install.py
 
 LISTING = """\
@@ -30,7 +31,8 @@ def test_no_pip_configuration_gives_no_options():
     assert uv_install.pip_options(":env:.cert='/x'\nglobal.timeout='60'\n") == []
 
 
-def test_uvs_cache_sits_in_the_venv_and_is_gone_after_the_install(monkeypatch, tmp_path):
+@pytest.mark.parametrize("status", [0, 3])
+def test_uvs_cache_sits_in_the_venv_and_is_gone_after_the_install(monkeypatch, tmp_path, status):
     """The cache is inside the venv (the same file system, so its files are hard-linked, not copied) and is
     deleted afterwards, whether uv succeeds or fails (docs/development.md, "Disk")."""
     calls = []
@@ -41,12 +43,12 @@ def test_uvs_cache_sits_in_the_venv_and_is_gone_after_the_install(monkeypatch, t
             cache = cmd[cmd.index("--cache-dir") + 1]
             (tmp_path / "venv" / ".uv-cache" / "archive").mkdir(parents=True)
             assert cache == str(tmp_path / "venv" / ".uv-cache")
-            return type("Done", (), {"returncode": 3, "stdout": ""})()
+            return type("Done", (), {"returncode": status, "stdout": ""})()
         return type("Done", (), {"returncode": 0, "stdout": ""})()
 
     monkeypatch.setattr(uv_install.subprocess, "run", run)
     monkeypatch.setattr(uv_install.sys, "prefix", str(tmp_path / "venv"))
-    assert uv_install.main(["-r", "requirements.txt"]) == 3  # uv's own status comes back
+    assert uv_install.main(["-r", "requirements.txt"]) == status  # uv's own status comes back
     install = calls[-1]
     assert install[install.index("--link-mode") + 1] == "hardlink"
     assert install[-2:] == ["-r", "requirements.txt"]

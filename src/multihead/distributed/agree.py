@@ -430,7 +430,7 @@ def shared_error(error: Exception | None, bad: list[int], group: Any, caller: st
     every: list[Any] = [None] * dist.get_world_size(group)
     with answered(caller):
         dist.all_gather_object(every, mine, group=group)
-    kind, message = every[bad[0]] or ("ValueError", "(no message)")
+    kind, message = every[bad[0]]  # a rank is bad only when its own check raised
     also = f" (ranks {bad} rejected theirs)" if len(bad) > 1 else ""
     return (TypeError if kind == "TypeError" else ValueError)(
         f"{caller}: rank {bad[0]}'s inputs: {message}{also}"

@@ -290,12 +290,10 @@ def add_sinks(state: SoftmaxState, sinks: Tensor) -> None:
 
 def sinks_grad(sinks: Tensor, dout: Tensor, final: SoftmaxState) -> Tensor:
     """d loss / d ``sinks`` (H,) from this rank's rows: ``-sum over rows of p_sink * rowsum(dout * out)``,
-    with ``p_sink = exp(sink - lse)`` the sink's final weight (``dout``, ``final.out`` (B, H, Lq, Dv))."""
+    with ``p_sink = exp(sink - lse)`` the sink's final weight (``dout``, ``final.out`` (B, H, Lq, Dv);
+    ``final.lse`` 0 where a row saw no key and no sink, so that p_sink = exp(-inf) = 0 there)."""
     delta = (dout * final.out).sum(dim=-1)  # (B, H, Lq)
-    lse = final.lse.masked_fill(
-        torch.isneginf(final.lse), 0.0
-    )  # no key and no sink (-inf): p_sink 0, not NaN
-    p_sink = torch.exp(sinks.to(final.lse.dtype)[None, :, None] - lse)  # (B, H, Lq)
+    p_sink = torch.exp(sinks.to(final.lse.dtype)[None, :, None] - final.lse)  # (B, H, Lq)
     return -(p_sink * delta).sum(dim=(0, 2)).to(sinks.dtype)  # (H,)
 
 

@@ -198,10 +198,10 @@ def _absorb(
 def _ring_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None, final: SoftmaxState, plan: Plan
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """dq (B, H, Lq, Dk) for this rank's queries and dk, dv for this rank's keys, summed over all ranks."""
+    """dq (B, H, Lq, Dk) for this rank's queries and dk, dv for this rank's keys, summed over all ranks.
+    ``final``: the forward's output and log-sum-exp, with 0 where a row saw nothing (so that p = 0 there)."""
     dtype = plan.compute_dtype
     qa, da = prepare(q, dtype), dout.to(dtype).contiguous()  # (B, H, Lq, Dk), (B, H, Lq, Dv)
-    final = SoftmaxState(final.out, final.lse.masked_fill(torch.isneginf(final.lse), 0.0))  # dead rows: p = 0
     kv_relay = _kv_relay(plan, k, v)
     grad_relay = _Relay(
         plan,
@@ -311,7 +311,8 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        final = SoftmaxState(out, lse)
+        # a row that saw no key (and no sink): lse 0, not -inf, so that every p = exp(s - lse) there is 0
+        final = SoftmaxState(out, lse.masked_fill(torch.isneginf(lse), 0.0))
         dq, dk, dv = _ring_backward(dout, q, k, v, ctx.key_mask, final, ctx.plan)
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[5]:

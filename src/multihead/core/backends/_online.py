@@ -31,9 +31,8 @@ class OnlineSoftmax:
             return cls(like.new_full((b, h, n, 1), float("-inf")), like.new_zeros(b, h, n, 1), acc)
         sink = sinks.to(like.dtype).view(1, h, 1, 1)  # (1, H, 1, 1)
         top = sink.detach()
-        shift = top.masked_fill(
-            torch.isneginf(top), 0.0
-        )  # a head with no sink (-inf): exp(-inf) = 0, not NaN
+        # a head with no sink (-inf): exp(-inf - 0) = 0, where exp(-inf - -inf) would be NaN
+        shift = top.masked_fill(torch.isneginf(top), 0.0)
         total = torch.exp(sink - shift)  # exp(0) = 1 for a finite sink, with its gradient
         return cls(top.expand(b, h, n, 1), total.expand(b, h, n, 1), acc)
 

@@ -33,10 +33,10 @@ _DASH = {"k": "5 3", "v": "1.5 2.5"}  # the reader's input: query (and mlp, logi
 @dataclass(frozen=True)
 class Circuit:
     """A laid-out circuit: ``nodes`` (label, tooltip, column, row), ``edges`` (writer node, reader node, score,
-    reader kind), ``columns`` (one title per column) and ``rows`` (the tallest column's nodes)."""
+    reader kind, tooltip), ``columns`` (one title per column) and ``rows`` (the tallest column's nodes)."""
 
     nodes: list[tuple[str, str, int, int]]
-    edges: list[tuple[int, int, float, str]]
+    edges: list[tuple[int, int, float, str, str]]
     columns: list[str]
     rows: int
 
@@ -86,7 +86,10 @@ def circuit_layout(graph: Any, top: int = 30) -> Circuit:
         for row, b in enumerate(mine):
             index[b] = len(nodes)
             nodes.append((_label(b[1], b[2]), "\n".join(dict.fromkeys(boxes[b])), col, row))
-    drawn = [(index[_visual(w, merged)], index[_visual(r, merged)], s, r.kind) for w, r, s in edges]
+    drawn = [
+        (index[_visual(w, merged)], index[_visual(r, merged)], s, r.kind, f"{w} -> {r}: {s:+.4g}")
+        for w, r, s in edges
+    ]
     columns = [_column_title(n, boxes) for n in names]
     rows = max((n[3] for n in nodes), default=-1) + 1
     return Circuit(nodes, drawn, columns, rows)
@@ -118,12 +121,11 @@ def circuit_svg(c: Circuit) -> str:
             f"{html.escape(title)}</text>"
         )
     peak = max((abs(e[2]) for e in c.edges), default=1.0) or 1.0
-    for w, r, s, kind in sorted(c.edges, key=lambda e: abs(e[2])):  # the strongest on top
+    for w, r, s, kind, tip in sorted(c.edges, key=lambda e: abs(e[2])):  # the strongest on top
         (x0, y0), (x1, y1) = _xy(c.nodes[w]), _xy(c.nodes[r])
         x0, y0, y1 = x0 + BOX_W, y0 + BOX_H / 2, y1 + BOX_H / 2
         dx = max(30.0, (x1 - x0) / 2)
         dash = f' stroke-dasharray="{_DASH[kind]}"' if kind in _DASH else ""
-        tip = f"{c.nodes[w][1].splitlines()[0]} -> {c.nodes[r][1].splitlines()[0]} ({kind}): {s:+.4g}"
         out.append(
             f'<path d="M{x0},{y0} C{x0 + dx},{y0} {x1 - dx},{y1} {x1},{y1}" fill="none" '
             f'stroke="{"#2166ac" if s >= 0 else "#b2182b"}" stroke-width="{0.8 + 5 * abs(s) / peak:.2f}" '
@@ -197,7 +199,7 @@ def plot_circuit(
     ax = fig.subplots()
     peak = max((abs(e[2]) for e in c.edges), default=1.0) or 1.0
     styles = {"k": (0, (4, 2)), "v": (0, (1, 2))}
-    for w, r, s, kind in sorted(c.edges, key=lambda e: abs(e[2])):
+    for w, r, s, kind, _ in sorted(c.edges, key=lambda e: abs(e[2])):
         (x0, y0), (x1, y1) = (c.nodes[w][2] + 0.5, c.nodes[w][3]), (c.nodes[r][2], c.nodes[r][3])
         dx = max(0.25, (x1 - x0) / 2)
         verts = [(x0, y0), (x0 + dx, y0), (x1 - dx, y1), (x1, y1)]

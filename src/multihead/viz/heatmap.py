@@ -131,7 +131,7 @@ def frames_script(uid: str, frames: Frames) -> str:
     }
     payload = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
     return (
-        f'<div class="mhs-ctl"><input type="range" min="0" max="{n_frames - 1}" value="{frames.start}" '
+        f'<div class="mhs-ctl" data-p="ctl" hidden><input type="range" min="0" max="{n_frames - 1}" value="{frames.start}" '
         f'data-p="slider"><span data-p="frame">{html.escape(frames.labels[frames.start])}</span></div>'
         f'<script type="application/json" data-p="frames">{payload}</script>'
         f"<script>{_FRAMES_JS.replace('{{UID}}', uid)}</script>"
@@ -154,6 +154,7 @@ try {
     label.textContent = D.labels[f];
   }
   slider.addEventListener("input", () => draw(+slider.value));
+  root.querySelector('[data-p="ctl"]').hidden = false;  // no slider where scripts do not run
   draw(+slider.value);
   root.dataset.status = "ready";
 } catch (e) { root.dataset.status = "error"; console.error("multihead view: " + e); }

@@ -42,8 +42,12 @@ def model_view_grid(modules: Sequence[EncodedModule], *, side: int = 48, gap: in
 
 
 def model_view_png(modules: Sequence[EncodedModule], *, side: int = 48) -> bytes:
-    """The model view as PNG bytes: :func:`model_view_grid` in the page's blues, white where NaN."""
+    """The model view as PNG bytes: :func:`model_view_grid` in the page's blues, white where NaN; a short
+    text's few pixels a head are each drawn as a square of pixels, so a head is at least 30 pixels wide."""
     g = model_view_grid(modules, side=side)
+    tile = max(max(m.thumb_shape) for m in modules)
+    k = -(-30 // min(tile, side))  # ceil(30 / tile): 1 from 30 tokens on
+    g = g.repeat_interleave(k, 0).repeat_interleave(k, 1)  # (k Y, k X)
     x = g.nan_to_num(0.0)[..., None]  # (Y, X, 1)
     rgb = 255 - x * torch.tensor([243.0, 194.0, 110.0])  # the page's ramp: white -> (12, 61, 145)
     return png_bytes(rgb.round().to(torch.uint8))

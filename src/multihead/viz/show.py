@@ -163,6 +163,7 @@ STYLE = """
  text-align:right;white-space:nowrap;background:#fff}
 .mhs table.mhs-t th{background:#f6f7f9;font-weight:600}
 .mhs table.mhs-t td:first-child,.mhs table.mhs-t th:first-child{text-align:left}
+.mhs [hidden]{display:none !important}
 .mhs .mhs-ctl{display:flex;gap:10px;align-items:center;font-size:12px;margin:4px 0}
 .mhs .mhs-ctl input{width:260px}
 .mhs > .mhv{margin:-8px -10px;border-radius:6px;overflow:hidden}

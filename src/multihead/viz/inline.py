@@ -24,9 +24,10 @@ from torch import Tensor, nn
 
 from ..heads import attention_kind
 from ..heads.naming import attention_modules, module_kind
+from . import encoding
 from .assets import SCRIPT, STYLE
 from .capture import AttentionRecord, Capture, stream
-from .encoding import EncodedModule, encode_module
+from .encoding import EncodedModule
 from .page import page_data, view_markup
 from .picture import model_view_grid, model_view_png
 from .show import View, renders, short_name
@@ -161,7 +162,7 @@ class AttentionView(View):
 def _encode(name: str, kind: str, w: Tensor, seq2seq: bool, special: Any) -> EncodedModule:
     """One module's weights (H, Lq, Lk) encoded for the view, its sequences by kind."""
     q, k = sides(kind, seq2seq)
-    return encode_module(name, kind, w, q, k, _flags(special, k, w.shape[-1]))
+    return encoding.encode_module(name, kind, w, q, k, _flags(special, k, w.shape[-1]))
 
 
 def _example(w: Tensor, example: int, name: str) -> Tensor:

@@ -203,7 +203,7 @@ def _ramp(t: Tensor, stops: Sequence[tuple[int, int, int]]) -> Tensor:
 _RDBU = [(178, 24, 43), (239, 138, 98), (253, 219, 199), (247, 247, 247), (209, 229, 240), (103, 169, 207),
          (33, 102, 172)]  # fmt: skip
 _BLUES = [(247, 251, 255), (198, 219, 239), (107, 174, 214), (33, 113, 181), (8, 48, 107)]
-NAN_COLOUR = "#e6e6e6"
+_NAN = "#e6e6e6"
 
 
 def diverging(values: Tensor, top: float) -> list[str]:
@@ -211,11 +211,11 @@ def diverging(values: Tensor, top: float) -> list[str]:
     NaN grey. Flattened, one ``"#rrggbb"`` per value."""
     v = values.double()
     out = _hex(_ramp((v / (top or 1.0) + 1) / 2, _RDBU))
-    return [NAN_COLOUR if bad else c for c, bad in zip(out, v.isnan().flatten().tolist())]
+    return [_NAN if bad else c for c, bad in zip(out, v.isnan().flatten().tolist())]
 
 
 def sequential(values: Tensor, top: float) -> list[str]:
     """Colours of non-negative ``values`` from white (0) to dark blue (``top``); NaN grey. Flattened."""
     v = values.double()
     out = _hex(_ramp(v / (top or 1.0), _BLUES))
-    return [NAN_COLOUR if bad else c for c, bad in zip(out, v.isnan().flatten().tolist())]
+    return [_NAN if bad else c for c, bad in zip(out, v.isnan().flatten().tolist())]

@@ -17,6 +17,7 @@ script failed. Where scripts do not run, what was drawn on the server (SVG, a PN
 from __future__ import annotations
 
 import html
+import importlib.util
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -110,6 +111,9 @@ class View:
         )
 
     def _repr_png_(self) -> bytes | None:
+        """The PNG fallback; None (no picture, no error in the notebook) without the ``viz`` extra."""
+        if importlib.util.find_spec("matplotlib") is None:
+            return None
         from .plots import _png
 
         fig = self.figure()

@@ -23,6 +23,7 @@ pattern, take the explicit path (said once per module class). With no lens open 
 """
 
 from .attribution import Attribution, frozen_norm, logit_attribution
+from .attribution_patch import attribution_patch
 from .cache import Cache, cache
 from .edit import ABLATIONS, Ablation, MeanAblation, ResampleAblation, ZeroAblation, ablate, hooks
 from .graph import Graph, Node
@@ -44,6 +45,7 @@ __all__ = [
     "ResampleAblation",
     "ZeroAblation",
     "ablate",
+    "attribution_patch",
     "cache",
     "frozen_norm",
     "head_results",

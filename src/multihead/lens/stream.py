@@ -249,6 +249,14 @@ def _check_layer(
     block = next(child for child in layer.children() if any(m is attention for m in child.modules()))
     called = [child for child, _, _ in seen.calls]
     norms = {id(child) for child in called if _is_norm(child, width)}
+    attention_norm, attn_in, attn_out = _fed_by(seen, block, norms, name, "attention")
+    x = seen.input
+    if attention_norm is None or not torch.equal(attn_in, x):  # type: ignore[arg-type]
+        raise StreamError(
+            f"the layer {name!r} is post-norm: its attention does not read a norm of the layer's input (as in "
+            f"BERT and norm_first=False layers, a norm runs on the residual sum), so the residual stream is not "
+            f"a sum of writers and edges are not defined"
+        )
     others = {id(c): c for c in called if c is not block and id(c) not in norms}
     if len(others) != 1:
         listed = [n for n, c in layer.named_children() if id(c) in others]
@@ -257,15 +265,7 @@ def _check_layer(
             f"with parameters are {listed} (exactly one is wanted); edges need a layer of one attention and one MLP"
         )
     mlp = next(iter(others.values()))
-    attention_norm, attn_in, attn_out = _fed_by(seen, block, norms, name, "attention")
     mlp_norm, mlp_in, mlp_out = _fed_by(seen, mlp, norms, name, "MLP")
-    x = seen.input
-    if attention_norm is None or not torch.equal(attn_in, x):  # type: ignore[arg-type]
-        raise StreamError(
-            f"the layer {name!r} is post-norm: its attention does not read a norm of the layer's input (as in "
-            f"BERT and norm_first=False layers, a norm runs on the residual sum), so the residual stream is not "
-            f"a sum of writers and edges are not defined"
-        )
     _check_heads(name, output_projection(model, attention_name, attention), attn_out, results[0])
     if mlp_norm is None or not _close(mlp_in, x + attn_out):  # type: ignore[operator]
         why = (

@@ -5,11 +5,13 @@ Dimensions: B batch, L length, E model width, W writers, R readers, C copies of 
 
 Writer w's clean output moved into reader r's input alone changes the metric's batch mean M by about
 ``sum over examples and positions of (w_clean - w_corrupted) . dM/d(x_r)``, x_r the reader's own copy of the
-stream (a writer at position p feeds the readers at p). The gradients dM/d(x_r) come from one backward of the
-reader-split forward (:mod:`.readers`): each reader's copy is a tensor of the graph, and a hook on it contracts
-its gradient with the deltas of the writers upstream as soon as the backward reaches it (a layer's readers at
-once: (C, B*L*E) against each writer block's (n, B*L*E)), so no reader's gradient outlives its layer.
-The stream is found and checked on the clean run first (:mod:`.stream`): edges exist only where it is a sum of
+stream (a writer at position p feeds the readers at p). The gradients dM/d(x_r) come from one forward and backward per step
+(:func:`~multihead.lens.readers.gradient_run`): the MLP and logits readers' copies get theirs from the backward
+itself, each q/k/v head's is the gradient at that head mapped back through its own norm and projection rows
+(:func:`~multihead.lens.readers.head_gradients`). Each is contracted with the deltas of the writers upstream
+(a layer's readers at once: (C, B*L*E) against each writer block's (n, B*L*E)) and dropped, so no reader's
+gradient outlives its layer. The finite differences that check this use the other mechanism, the reader-split
+forward (:func:`~multihead.lens.readers.reader_run`). The stream is found and checked on the clean run first (:mod:`.stream`): edges exist only where it is a sum of
 writers (pre-norm stacks); elsewhere they are refused by name, saying why.
 
 Because the stream is a sum of writers, dM/dw is the sum of dM/d(x_r) over the readers downstream of w, so a
@@ -31,7 +33,7 @@ from .attribution_patch import Runs, _recording, metric_mean
 from .graph import Graph
 from .patch import _check_alike
 from .path import Path, check_steps, steps
-from .readers import Layout, Record, layout, reader_run
+from .readers import Layout, Record, gradient_run, head_gradients, layout, reader_run
 from .sites import ModuleSelection, run, select
 from .stream import Stream, find_stream
 
@@ -93,6 +95,15 @@ class _State:
     upto: dict[int, int] | None = None
     base: float = 0.0
 
+    def start(self, seen: Record, value: Tensor) -> None:
+        """From the first (corrupted) run: its metric, the writers' deltas, the scores, each reader's upstream."""
+        self.base = float(value.detach())
+        self.deltas = [(c - k).flatten(1) for c, k in zip(self.clean, seen.blocks)]
+        self.clean = []  # the deltas replace them
+        w, r = sum(d.shape[0] for d in self.deltas), len(self.nodes.readers)
+        self.scores = torch.zeros(w, r, dtype=self.deltas[0].dtype, device=self.deltas[0].device)
+        self.upto = dict(seen.upto)
+
     def contract(self, cols: slice, upto: int, grad: Tensor, starts: list[int]) -> None:
         """Add ``grad`` (C, B, L, E), the gradient at readers ``cols``'s copies, against the upstream deltas."""
         assert self.deltas is not None and self.scores is not None
@@ -109,26 +120,28 @@ def _step(runs: Runs, stream: Stream, state: _State, alpha: float) -> None:
     starts: list[int] = []
 
     def read(cols: slice, upto: int, x: Tensor, record: Record) -> Tensor:
-        copies = x.unsqueeze(0).repeat(cols.stop - cols.start, *([1] * x.dim()))  # (C, B, L, E)
-        if not copies.requires_grad:
-            copies.requires_grad_()
-        copies.register_hook(lambda g: state.contract(cols, upto, g, starts))
-        return copies
+        copy = x.unsqueeze(0).clone()  # (1, B, L, E): the reader's own input
+        copy.register_hook(lambda g: state.contract(cols, upto, g, starts))
+        return copy
 
     first = alpha == 0.0
     with _recording(runs.path if first else None, "corrupted"):
-        with reader_run(runs.model, stream, state.nodes, read, leaf=True) as seen:
+        with gradient_run(runs.model, stream, state.nodes, read) as (seen, taps):
             value = runs.value_at(alpha)
     if first:
-        state.base = float(value.detach())
-        state.deltas = [(c - k).flatten(1) for c, k in zip(state.clean, seen.blocks)]
-        state.clean = []  # the deltas replace them
-        w, r = sum(d.shape[0] for d in state.deltas), len(state.nodes.readers)
-        state.scores = torch.zeros(w, r, dtype=state.deltas[0].dtype, device=state.deltas[0].device)
-        state.upto = dict(seen.upto)
+        state.start(seen, value)
     starts[:] = seen.starts
     assert seen.leaf is not None
-    torch.autograd.grad(value, seen.leaf, allow_unused=True)
+    torch.autograd.grad(value, seen.leaf, retain_graph=True)  # MLP and logits readers contract on the way
+    for i, tap in enumerate(taps):
+        cols = state.nodes.attention_cols[i]
+        upto = seen.upto[cols.start]
+        offset = cols.start
+        for point in ("q", "k", "v"):
+            grads = head_gradients(tap, point)  # (heads, B, L, E)
+            state.contract(slice(offset, offset + grads.shape[0]), upto, grads, starts)
+            offset += grads.shape[0]
+        tap.points.clear(), tap.grads.clear()  # this layer's graph and gradients can go
 
 
 def _graph(state: _State, names: list[str], clean: float, corrupted: float) -> Graph:

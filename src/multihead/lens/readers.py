@@ -3,21 +3,23 @@
 Dimensions: B batch, L length, E model width, H query heads, Hkv key/value heads, C = H + 2 Hkv copies of a
 layer's attention input (one per q head, k head and v head), W writers, R readers.
 
-One mechanism serves the gradients of edge attribution, the interventions of faithfulness and the finite
-differences that check them. In a layer, the norm before the attention is handed C copies of the stream
-(C*B rows) instead of one; the attention block runs on them (its other batch inputs repeated, as patching's
-shared prefix does), and at the lens's points q, k and v each head is taken from its own copy: q head h from copy
-h, k head g from copy H + g, v head g from copy H + Hkv + g. From there on every copy holds the same q, k, v, so
-the block's output is one copy's rows (B). The MLP's norm and the final norm are handed one copy each. So each
-reader's input is its own tensor, through its own norm and its own rows of the projections (and rotary):
+Two runs serve the circuits.
 
-* gradients: the copies are tensors of the graph, and the metric's gradient reaching copy c is dM/d(x_r) of
-  its reader alone; a hook on them contracts it with the writers' deltas at once (:mod:`.edges`), so no
-  reader's gradient is kept (the alternative, mapping each reader's gradient back through its norm and
-  projection rows by batched ``autograd.grad``, needs per-architecture knowledge of the projections);
-* interventions: a reader's copy is the stream minus the writers' contributions it must not see (:mod:`.faithful`).
+:func:`reader_run`, the reader-split forward, for interventions (faithfulness, and the finite differences
+that check edge attribution): in a layer, the norm before the attention is handed C copies of the stream (C*B
+rows) instead of one; the attention block runs on them (its other batch inputs repeated, as patching's shared
+prefix does), and at the lens's points q, k and v each head is taken from its own copy: q head h from copy h, k
+head g from copy H + g, v head g from copy H + Hkv + g. From there on every copy holds the same q, k, v, so the
+block's output is one copy's rows (B). The MLP's norm and the final norm are handed one copy each. So each reader
+reads its own input, through its own norm and its own rows of the projections (and rotary), whatever the
+architecture: GQA needs nothing special. The price: the attention block runs on C copies.
 
-The price is the attention block run on C copies in the layers read; the MLP and the rest run once.
+:func:`gradient_run`, for the readers' gradients (edge attribution), runs the model once as it is. The MLP and
+logits readers read a copy of the stream whose gradient is theirs alone. Each layer's attention norm reads a copy
+x of the stream; the backward delivers the gradients at q, k and v (small: (B, heads, L, D)), and
+:func:`head_gradients` maps each head's share back to x through the local graph alone (x -> norm -> projection
+rows -> rotary, one batched backward over the heads), giving each q/k/v head reader's gradient without running
+the attention on copies. Each is contracted with the writers' deltas at once and dropped (:mod:`.edges`).
 """
 
 from __future__ import annotations
@@ -226,3 +228,75 @@ def _assembly(layer: Layer) -> dict[str, Callable[[Tensor, Context], Tensor]]:
         return handler
 
     return {"q": take(0, h), "k": take(h, hkv), "v": take(h + hkv, hkv)}
+
+
+@dataclass
+class Taps:
+    """One layer's attention inputs on a gradient run: ``x`` the copy of the stream its norm reads (B, L, E),
+    the q, k, v points, and (after the backward) the gradients they received."""
+
+    x: Tensor | None = None
+    points: dict[str, Tensor] = field(default_factory=dict)
+    grads: dict[str, Tensor] = field(default_factory=dict)
+
+
+@contextmanager
+def gradient_run(
+    model: nn.Module, stream: Stream, nodes: Layout, read: Read
+) -> Iterator[tuple[Record, list[Taps]]]:
+    """A run for the readers' gradients without copies of the attention: the MLP and logits readers read
+    ``read``'s copy (one each); each layer's attention norm reads a copy x of the stream whose q, k and v points
+    are kept with the gradients they receive, so that :func:`head_gradients` maps each head's gradient back to
+    x through the layer's own norm, projection rows and rotary alone (the stream starts from a leaf)."""
+    record = Record()
+    taps = [Taps() for _ in stream.layers]
+    hooks = [(stream.layers[0].module, "pre_kw", _entry(record, True))]
+    sites: dict[str, dict[str, Callable[..., Any]]] = {}
+    for i, layer in enumerate(stream.layers):
+        sites[layer.attention] = {"result": _results(record, False, layer), **_keeping(taps[i])}
+        hooks.append((layer.mlp, "post", lambda m, a, out: record.add(first_tensor(out)[None])))  # type: ignore[index]
+        hooks.append((layer.attention_norm, "pre", _copying(taps[i], nodes.attention_cols[i], record)))
+        mlp = slice(nodes.mlp_cols[i], nodes.mlp_cols[i] + 1)
+        hooks.append((layer.mlp_norm, "pre", _reading(mlp, read, record)))
+    hooks.append(_final(stream, _reading(slice(len(nodes.readers) - 1, len(nodes.readers)), read, record)))
+    with hooked(hooks), tapping(model, sites):
+        yield record, taps
+
+
+def _copying(taps: Taps, cols: slice, record: Record) -> Callable[..., Any]:
+    def hook(module: nn.Module, args: tuple) -> tuple:
+        for c in range(cols.start, cols.stop):
+            record.upto[c] = record.rows
+        taps.x = args[0].clone()
+        return (taps.x, *args[1:])
+
+    return hook
+
+
+def _keeping(taps: Taps) -> dict[str, Callable[[Tensor, Context], None]]:
+    def keep(t: Tensor, ctx: Context) -> None:
+        taps.points[ctx.point] = t
+        if t.requires_grad:
+            t.register_hook(lambda g: taps.grads.__setitem__(ctx.point, g))
+
+    return dict.fromkeys(("q", "k", "v"), keep)
+
+
+def head_gradients(taps: Taps, point: str) -> Tensor:
+    """(heads, B, L, E): for each head of ``point`` ("q": H heads, "k"/"v": Hkv), the gradient its reader's own
+    input x receives through that head alone: the head's share of the point's gradient mapped back through the
+    local graph x -> norm -> projection rows -> rotary (one batched backward over the heads, the rest of the
+    model not traversed)."""
+    t, x = taps.points[point], taps.x
+    assert x is not None
+    g = taps.grads.get(point)
+    heads = t.shape[1]
+    if g is None:
+        return x.new_zeros((heads, *x.shape))
+    eye = torch.eye(heads, dtype=g.dtype, device=g.device)
+    masked = g.unsqueeze(0) * eye[:, None, :, None, None]  # (heads, B, heads, L, D)
+    try:
+        (out,) = torch.autograd.grad(t, x, grad_outputs=masked, retain_graph=True, is_grads_batched=True)
+        return out
+    except RuntimeError:  # an op without a batching rule: one backward per head
+        return torch.stack([torch.autograd.grad(t, x, grad_outputs=m, retain_graph=True)[0] for m in masked])

@@ -396,3 +396,31 @@ def test_edges_and_faithfulness_refuse_bad_arguments_by_name(tiny):
         lens.edge_attribution(m, clean, corrupted, _logit_diff, ig_steps=1.5)
     with pytest.raises(ValueError, match="post-norm"):
         lens.edge_attribution(TinyLM(norm_first=False), clean, corrupted, _logit_diff)
+
+
+def test_a_converted_torch_encoder_edges_with_an_mlp_over_two_children():
+    from multihead.compat.torch import convert
+
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, 24, dropout=0.0, batch_first=True, norm_first=True, dtype=F64)
+    stack = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False, norm=nn.LayerNorm(16, dtype=F64))
+    enc = convert(stack).eval()
+    clean, corrupted = torch.randn(2, 5, 16, dtype=F64), torch.randn(2, 5, 16, dtype=F64)
+
+    def metric(out):
+        return out[:, -1, :3].sum(-1)
+
+    g = lens.edge_attribution(enc, clean, corrupted, metric, ig_steps=2)
+    assert g.writers[0] == lens.Node("", "embed") and lens.Node("layers.1.linear2", "mlp") in g.readers
+    node = lens.attribution_patch(enc, clean, corrupted, metric, ig_steps=2)
+    with torch.no_grad():
+        base = float(metric(enc(corrupted)).mean())
+    rows = g.node_effects()
+    torch.testing.assert_close(torch.stack([rows[1:5], rows[6:10]]), node - base)
+    assert lens.faithfulness(enc, g, clean, corrupted, metric) == pytest.approx(1.0, abs=1e-12)
+    assert lens.faithfulness(enc, [], clean, corrupted, metric) == pytest.approx(0.0, abs=1e-12)
+    post = convert(
+        nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 4, 24, batch_first=True, dtype=F64), 1)
+    )
+    with pytest.raises(ValueError, match="post-norm"):
+        lens.edge_attribution(post.eval(), clean, corrupted, metric)

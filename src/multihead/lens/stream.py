@@ -6,7 +6,9 @@ Dimensions: B batch, L length, E model width, H query heads, Hkv key/value heads
 Nothing is assumed from an architecture's class. The layers are the items of the ``nn.ModuleList`` holding the
 attention modules (:func:`~multihead.heads.naming.layer_of`), one attention module each. Within a layer, among its
 direct children with parameters: the one holding the attention module, the norms (leaf modules whose parameters
-are (E,) vectors, as :func:`~multihead.lens.attribution._is_norm` finds them), and the MLP, the one child left.
+are (E,) vectors, as :func:`~multihead.lens.attribution._is_norm` finds them), and the MLP: the one child left, or
+the children left when they run one after the other (torch's layers: linear1, linear2; the MLP's nodes are then
+named by the last, whose output is the MLP's).
 Which norm feeds which, and the sums, are read off a run (:func:`find_stream`), and the structure is refused,
 by name and saying why, unless on that run, for every layer (x its input):
 
@@ -32,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..heads.naming import Projection, layer_of, module_heads, output_projection
+from ..heads.naming import Projection, layer_of, module_heads
 from .attribution import _is_norm
 from .cache import cache
 from .path import embedding_name
@@ -257,16 +259,10 @@ def _check_layer(
             f"BERT and norm_first=False layers, a norm runs on the residual sum), so the residual stream is not "
             f"a sum of writers and edges are not defined"
         )
-    others = {id(c): c for c in called if c is not block and id(c) not in norms}
-    if len(others) != 1:
-        listed = [n for n, c in layer.named_children() if id(c) in others]
-        raise StreamError(
-            f"cannot find the MLP of the layer {name!r}: besides its attention and norms, the children that ran "
-            f"with parameters are {listed} (exactly one is wanted); edges need a layer of one attention and one MLP"
-        )
-    mlp = next(iter(others.values()))
-    mlp_norm, mlp_in, mlp_out = _fed_by(seen, mlp, norms, name, "MLP")
-    _check_heads(name, output_projection(model, attention_name, attention), attn_out, results[0])
+    parts = _mlp_parts(seen, block, norms, layer, name)
+    mlp = parts[-1]  # its output is the MLP's (the writer)
+    mlp_norm, mlp_in, _ = _fed_by(seen, parts[0], norms, name, "MLP")
+    mlp_out = next(o for c, _, o in reversed(seen.calls) if c is mlp)
     if mlp_norm is None or not _close(mlp_in, x + attn_out):  # type: ignore[operator]
         why = (
             "a parallel block: its MLP reads the layer's input, as the attention does (GPT-J, Falcon, GPT-NeoX)"
@@ -285,6 +281,23 @@ def _check_layer(
     mlp_name = next(n for n, c in model.named_modules() if c is mlp)
     h, hkv = module_heads(attention)
     return Layer(name, layer, attention_name, block, attention_norm, mlp_name, mlp, mlp_norm, h, hkv)
+
+
+def _mlp_parts(
+    seen: _Seen, block: nn.Module, norms: set[int], layer: nn.Module, name: str
+) -> list[nn.Module]:
+    """The children with parameters other than the attention and the norms, in call order: the MLP (one child,
+    or several run one after the other, as torch's linear1 and linear2)."""
+    parts = list({id(c): c for c, _, _ in seen.calls if c is not block and id(c) not in norms}.values())
+    order = [i for i, (c, _, _) in enumerate(seen.calls) if any(c is p for p in parts)]
+    if not parts or order != list(range(order[0], order[0] + len(order))) or len(order) != len(parts):
+        listed = [n for n, c in layer.named_children() if any(c is p for p in parts)]
+        raise StreamError(
+            f"cannot find the MLP of the layer {name!r}: besides its attention and norms, the children that ran "
+            f"with parameters are {listed}, not one MLP (one child, or children run once each one after the "
+            f"other); edges need a layer of one attention and one MLP"
+        )
+    return parts
 
 
 def _fed_by(

@@ -33,8 +33,8 @@ from .attribution_patch import Runs, _recording, metric_mean
 from .graph import Graph
 from .patch import _check_alike
 from .path import Path, check_steps, steps
-from .readers import Layout, Record, gradient_run, head_gradients, layout, reader_run
-from .sites import ModuleSelection, run, select
+from .readers import Layout, Record, gradient_run, head_gradients, layout
+from .sites import ModuleSelection, select
 from .stream import Stream, find_stream
 
 
@@ -67,13 +67,13 @@ def edge_attribution(
     m = check_steps(ig_steps)
     names = select(model, modules)
     batch = _check_alike(clean, corrupted)
-    stream = find_stream(model, clean, attention_modules(model))
-    nodes = layout(stream)
     path = Path(model, clean, corrupted) if m > 1 else None
-    with torch.no_grad(), _recording(path, "clean"), reader_run(model, stream, nodes, None) as seen:
-        clean_value = float(metric_mean(metric(run(model, clean)), batch))
+    with _recording(path, "clean"):
+        stream, clean_blocks, out = find_stream(model, clean, attention_modules(model))
+    nodes = layout(stream)
+    clean_value = float(metric_mean(metric(out), batch))
     runs = Runs(model, {}, path, corrupted, metric, batch)
-    state = _State(nodes, seen.blocks, m)
+    state = _State(nodes, clean_blocks, m)
     show = m >= 8 if progress is None else progress
     with Progress(m, "edges", enabled=show) as bar:
         for alpha in steps(m):

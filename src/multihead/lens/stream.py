@@ -183,8 +183,12 @@ def _close(a: Tensor | None, b: Tensor | None) -> bool:
     return bool(torch.allclose(a, b, rtol=tol, atol=tol * scale))
 
 
-def find_stream(model: nn.Module, inputs: object, found: Mapping[str, nn.Module]) -> Stream:
-    """The stream of ``model`` (attention modules ``found``) found and checked on a run of ``inputs``."""
+def find_stream(
+    model: nn.Module, inputs: object, found: Mapping[str, nn.Module]
+) -> tuple[Stream, list[Tensor], Any]:
+    """The stream of ``model`` (attention modules ``found``) found and checked on a run of ``inputs``; the
+    writers' outputs on that run, one block (n, B, L, E) each (embed (1), each layer's heads (H) and MLP (1));
+    the run's output."""
     pairs = _layers_of(model, found, list(found))
     layers = [model.get_submodule(name) for name, _ in pairs]
     seen = [_Seen() for _ in layers]
@@ -199,13 +203,19 @@ def find_stream(model: nn.Module, inputs: object, found: Mapping[str, nn.Module]
     hooks = [h for layer, s in zip(layers, seen) for h in _recorders(layer, s)]
     hooks += [(m, "post", on_norm) for m in model.modules() if id(m) not in inside and _is_norm(m, width)]
     with torch.no_grad(), hooked(hooks), cache(model, "result", modules=[a for _, a in pairs]) as c:
-        run(model, inputs)
+        out = run(model, inputs)
     checked = [
         _check_layer(model, name, layer, found[attention], attention, s, c.calls(attention, "result"), width)
         for (name, attention), layer, s in zip(pairs, layers, seen)
     ]
     norm = final[0][0] if final and torch.equal(final[0][1], seen[-1].output) else None  # type: ignore[arg-type]
-    return Stream(checked, norm, embedding_name(model), _logits_name(model, norm, pairs[-1][0]), width)
+    stream = Stream(checked, norm, embedding_name(model), _logits_name(model, norm, pairs[-1][0]), width)
+    blocks = [seen[0].input[None]]  # type: ignore[index]
+    for layer, s in zip(checked, seen):
+        blocks.append(c[layer.attention, "result"].transpose(0, 1))  # (H, B, L, E)
+        blocks.append(next(o for m, _, o in reversed(s.calls) if m is layer.mlp)[None])  # type: ignore[index]
+        s.calls.clear()
+    return stream, blocks, out
 
 
 def _width(model: nn.Module, attention: nn.Module) -> int:

@@ -88,7 +88,7 @@ class _State:
     set from the first step's run), and where each reader column's upstream writers end."""
 
     nodes: Layout
-    clean: list[Tensor]
+    clean: list[Tensor | None]
     steps: int
     scores: Tensor | None = None
     deltas: list[Tensor] | None = None
@@ -98,8 +98,12 @@ class _State:
     def start(self, seen: Record, value: Tensor) -> None:
         """From the first (corrupted) run: its metric, the writers' deltas, the scores, each reader's upstream."""
         self.base = float(value.detach())
-        self.deltas = [(c - k).flatten(1) for c, k in zip(self.clean, seen.blocks)]
-        self.clean = []  # the deltas replace them
+        self.deltas = []
+        for i, corrupted in enumerate(seen.blocks):  # block by block, freeing as they go (memory at length)
+            clean, self.clean[i] = self.clean[i], None  # type: ignore[call-overload]
+            self.deltas.append((clean - corrupted).flatten(1))
+            seen.blocks[i] = corrupted.new_empty(0)
+        self.clean = []
         w, r = sum(d.shape[0] for d in self.deltas), len(self.nodes.readers)
         self.scores = torch.zeros(w, r, dtype=self.deltas[0].dtype, device=self.deltas[0].device)
         self.upto = dict(seen.upto)

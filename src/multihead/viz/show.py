@@ -173,6 +173,7 @@ STYLE = """
 .mhs > .mhv{margin:-8px -10px;border-radius:6px;overflow:hidden}
 .mhs .mhv .mh-main{padding-bottom:12px}
 .mhs .mhv [data-p="models"]{max-height:440px;overflow-y:auto}  /* in a notebook: the head view stays near */
+.mhs .mhv .hvbox,.mhs .mhv .tblbox{max-height:min(78vh,520px)}
 """
 """The CSS every view shares, every rule under ``.mhs``."""
 

@@ -334,6 +334,9 @@ def test_bad_input_is_refused_by_name(toy):
         viz.show("text")
     with pytest.raises(ValueError, match=r"top must be a positive int"):
         viz.show(graph(), top=0)
+    g = graph()
+    empty = Graph(g.writers, g.readers, torch.zeros_like(g.scores))
+    assert "no edge with a non-zero score" in empty._repr_html_()  # nothing to draw, said so
     assert viz.Capture()._repr_html_() is None  # an empty capture shows as its repr
 
 

@@ -104,7 +104,7 @@ def _column_title(name: str, boxes: dict[tuple[str, str, int], list[str]]) -> st
     return short_name(name)
 
 
-COL_W, BOX_W, BOX_H, ROW_H, TOP = 132, 64, 22, 32, 34
+COL_W, BOX_W, BOX_H, ROW_H, TOP = 104, 60, 22, 32, 34
 
 
 def _xy(node: tuple[str, str, int, int]) -> tuple[float, float]:

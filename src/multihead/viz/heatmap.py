@@ -64,8 +64,13 @@ def _ink(fill: str) -> str:
     return "#000" if 0.299 * r + 0.587 * g + 0.114 * b > 140 else "#fff"
 
 
-def _fmt(v: float) -> str:
-    return "" if v != v else f"{v:.2g}" if abs(v) < 0.01 and v != 0 else f"{v:.2f}"
+def _fmt(v: float, top: float) -> str:
+    """A cell's text: 2 significant digits; blank for NaN, for a value under 1% of the grid's largest (near 0)
+    and where the digits would not fit the cell (the tooltip has the value either way)."""
+    if v != v or abs(v) < 0.01 * top:
+        return ""
+    text = f"{v:.2g}"
+    return text if len(text) <= 5 else ""
 
 
 def grid_svg(uid: str, frames: Frames) -> str:
@@ -95,7 +100,7 @@ def grid_svg(uid: str, frames: Frames) -> str:
             if text:
                 out.append(
                     f'<text class="val" x="{x + CELL_W / 2}" y="{y + 14}" text-anchor="middle" font-size="10" '
-                    f'fill="{_ink(fill)}" pointer-events="none">{_fmt(v)}</text>'
+                    f'fill="{_ink(fill)}" pointer-events="none">{_fmt(v, frames.top)}</text>'
                 )
     out.append(_colour_bar(uid, frames, label_w + h * CELL_W + 14, HEAD_H, n * CELL_H))
     return "".join(out) + "</svg>"
@@ -123,7 +128,7 @@ def frames_script(uid: str, frames: Frames) -> str:
     data = {
         "labels": frames.labels,
         "fills": [frames.colours(f) for f in range(n_frames)],
-        "vals": [[_fmt(v) for v in frames.values[f].flatten().tolist()] for f in range(n_frames)],
+        "vals": [[_fmt(v, frames.top) for v in frames.values[f].flatten().tolist()] for f in range(n_frames)],
         "tips": [
             [f"{v:+.4g}" if v == v else "" for v in frames.values[f].flatten().tolist()]
             for f in range(n_frames)

@@ -82,21 +82,23 @@ the stream ``x`` (B, L, E) they read and the writers recorded so far (rows ``:up
 class Record:
     """What a reader-split run saw: each writer block's value on this run (``blocks``: (n, B, L, E) each, in row
     order, detached), where each block starts, the leaf the stream starts from (with ``leaf=True``), and the
-    writer rows upstream of each reader column (``upto``)."""
+    writer rows upstream of each reader column (``upto``). With a ``sink``, each block is handed to it as it
+    comes (``sink(index, block)``) instead of being kept."""
 
     blocks: list[Tensor] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
     leaf: Tensor | None = None
     upto: dict[int, int] = field(default_factory=dict)
-
-    @property
-    def rows(self) -> int:
-        """Writer rows recorded so far."""
-        return self.starts[-1] + self.blocks[-1].shape[0] if self.blocks else 0
+    sink: Callable[[int, Tensor], None] | None = None
+    rows: int = 0
 
     def add(self, block: Tensor) -> None:
         self.starts.append(self.rows)
-        self.blocks.append(block.detach())
+        self.rows += block.shape[0]
+        if self.sink is None:
+            self.blocks.append(block.detach())
+        else:
+            self.sink(len(self.starts) - 1, block.detach())
 
 
 @contextmanager
@@ -242,13 +244,18 @@ class Taps:
 
 @contextmanager
 def gradient_run(
-    model: nn.Module, stream: Stream, nodes: Layout, read: Read
+    model: nn.Module,
+    stream: Stream,
+    nodes: Layout,
+    read: Read,
+    sink: Callable[[int, Tensor], None] | None = None,
 ) -> Iterator[tuple[Record, list[Taps]]]:
     """A run for the readers' gradients without copies of the attention: the MLP and logits readers read
     ``read``'s copy (one each); each layer's attention norm reads a copy x of the stream whose q, k and v points
     are kept with the gradients they receive, so that :func:`head_gradients` maps each head's gradient back to
-    x through the layer's own norm, projection rows and rotary alone (the stream starts from a leaf)."""
-    record = Record()
+    x through the layer's own norm, projection rows and rotary alone (the stream starts from a leaf). ``sink``:
+    as :class:`Record`'s."""
+    record = Record(sink=sink)
     taps = [Taps() for _ in stream.layers]
     hooks = [(stream.layers[0].module, "pre_kw", _entry(record, True))]
     sites: dict[str, dict[str, Callable[..., Any]]] = {}

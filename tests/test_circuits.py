@@ -193,6 +193,18 @@ def test_attribution_patch_refuses_bad_arguments():
     with pytest.raises(ValueError, match="metric must return"):
         lens.attribution_patch(m, clean, corrupted, lambda out: out[:, -1])
 
+    class OneHot(nn.Module):  # token ids in, no embedding module: no input embeddings to move
+        def __init__(self):
+            super().__init__()
+            self.table = nn.Parameter(torch.randn(V, 16, dtype=F64))
+            self.attn = _mha()
+
+        def forward(self, ids):
+            return self.attn(nn.functional.one_hot(ids, V).to(F64) @ self.table)
+
+    with pytest.raises(ValueError, match="no input embedding module"):
+        lens.attribution_patch(OneHot(), clean, corrupted, lambda out: out[:, -1, 0], ig_steps=2)
+
 
 def test_integrated_gradients_on_token_inputs_average_the_gradients_along_the_embedding_path():
     m = TinyLM()

@@ -25,7 +25,7 @@ the attention on copies. Each is contracted with the writers' deltas at once and
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,14 +102,11 @@ class Record:
 
 
 @contextmanager
-def reader_run(
-    model: nn.Module, stream: Stream, nodes: Layout, read: Read | None, *, leaf: bool = False
-) -> Iterator[Record]:
+def reader_run(model: nn.Module, stream: Stream, nodes: Layout, read: Read | None) -> Iterator[Record]:
     """While the block runs, every writer's value is recorded and (``read`` given) every reader reads the
-    copy ``read`` gives it. ``leaf``: the stream entering the first layer is made a leaf needing grad (the
-    whole backward of the readers reaches it)."""
+    copy ``read`` gives it (the reader-split forward: see the module docstring)."""
     record = Record()
-    hooks = [(stream.layers[0].module, "pre_kw", _entry(record, leaf))]
+    hooks = [(stream.layers[0].module, "pre_kw", _entry(record, False))]
     sites: dict[str, dict[str, Callable[..., Any]]] = {}
     for i, layer in enumerate(stream.layers):
         sites[layer.attention] = {"result": _results(record, read is not None, layer)}
@@ -118,19 +115,12 @@ def reader_run(
             cols = nodes.attention_cols[i]
             hooks += _split(layer, cols, read, record)
             sites[layer.attention].update(_assembly(layer))
-            hooks.append(
-                (
-                    layer.mlp_norm,
-                    "pre",
-                    _reading(slice(nodes.mlp_cols[i], nodes.mlp_cols[i] + 1), read, record),
-                )
-            )
+            mlp = slice(nodes.mlp_cols[i], nodes.mlp_cols[i] + 1)
+            hooks.append((layer.mlp_norm, "pre", _reading(mlp, read, record)))
     if read is not None:
         logits = slice(len(nodes.readers) - 1, len(nodes.readers))
         hooks.append(_final(stream, _reading(logits, read, record)))
-    with ExitStack() as stack:
-        stack.enter_context(hooked(hooks))
-        stack.enter_context(tapping(model, sites))
+    with hooked(hooks), tapping(model, sites):
         yield record
 
 

@@ -224,7 +224,7 @@ def test_integrated_gradients_on_token_inputs_average_the_gradients_along_the_em
             value.backward()
         handle.remove()
         if alpha == 0.0:
-            base, z_corrupted = float(value), {n: g[n, "z"] for n in names}
+            base, z_corrupted = float(value.detach()), {n: g[n, "z"] for n in names}
         grads.append({n: g.grad(n, "z") for n in names})
     want = torch.stack(
         [((c[n, "z"] - z_corrupted[n]) * (grads[0][n] + grads[1][n]) / 2).sum((0, 3)) for n in names]

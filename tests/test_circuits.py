@@ -299,6 +299,7 @@ def test_graph_nodes_and_upstream_follow_the_stack(tiny):
     top = g.top(5)
     assert [abs(s) for _, _, s in top] == sorted((abs(s) for _, _, s in top), reverse=True)
     assert abs(top[0][2]) == float(g.scores.abs().max())
+    assert len(g.top(10_000)) == len(g.edges()) and all(up[w[a], r[b]] for a, b, _ in g.top(10_000))
     assert repr(g).startswith("Graph(11 writers, 19 readers")
     part = lens.edge_attribution(m, clean, corrupted, _logit_diff, modules=[a1])  # layer 1's nodes only
     rows = [0, *range(6, 11)]

@@ -130,7 +130,7 @@ def _removing(drop: Tensor, ablated: list[Tensor]) -> Callable[[slice, int, Tens
         for start, this, off in zip(record.starts, record.blocks, ablated):
             if start >= upto:
                 break
-            mask = drop[start : start + this.shape[0], cols].to(x.dtype)  # (n, C)
+            mask = drop[start : start + this.shape[0], cols].to(device=x.device, dtype=x.dtype)  # (n, C)
             if bool(mask.any()):
                 copies -= torch.einsum("nc,nble->cble", mask, (this - off.to(this.dtype)).expand_as(this))
         return copies

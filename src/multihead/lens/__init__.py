@@ -1,5 +1,6 @@
-"""Every head's internals, in any model whose attention goes through the seam: cache, hooks, ablation, patching
-and logit attribution (guide: docs/lens.md).
+"""Every head's internals, in any model whose attention goes through the seam: cache (with gradients), hooks,
+ablation, patching, logit attribution, and circuits: attribution patching, edge attribution of the residual
+stream and faithfulness (guides: docs/lens.md, docs/circuits.md).
 
 Dimensions: B batch, H query heads, Hkv key/value heads, Lq/Lk lengths, Dk/Dv head dims, O the output
 projection's width (E for a self-attention block), N modules.
@@ -23,8 +24,12 @@ pattern, take the explicit path (said once per module class). With no lens open 
 """
 
 from .attribution import Attribution, frozen_norm, logit_attribution
+from .attribution_patch import attribution_patch
 from .cache import Cache, cache
+from .edges import edge_attribution
 from .edit import ABLATIONS, Ablation, MeanAblation, ResampleAblation, ZeroAblation, ablate, hooks
+from .faithful import CorruptedEdges, EdgeAblation, MeanEdges, faithfulness
+from .graph import Graph, Node
 from .patch import TOKENS_PER_FORWARD, patch_heads
 from .sites import POINTS, Context, Handler, head_results, select
 
@@ -36,12 +41,20 @@ __all__ = [
     "Attribution",
     "Cache",
     "Context",
+    "CorruptedEdges",
+    "EdgeAblation",
+    "Graph",
     "Handler",
     "MeanAblation",
+    "MeanEdges",
+    "Node",
     "ResampleAblation",
     "ZeroAblation",
     "ablate",
+    "attribution_patch",
     "cache",
+    "edge_attribution",
+    "faithfulness",
     "frozen_norm",
     "head_results",
     "hooks",

@@ -203,7 +203,9 @@ def masked_softmax(X: Tensor, valid_lens: Tensor) -> Tensor:
     return torch.softmax(X.reshape(-1, shape[-1]).masked_fill(hidden, -1e6).reshape(shape), dim=-1)
 
 
-def d2l_forward(layer: nn.Module, queries: Tensor, keys: Tensor, values: Tensor, valid_lens: Tensor):
+def d2l_forward(
+    layer: nn.Module, queries: Tensor, keys: Tensor, values: Tensor, valid_lens: Tensor
+) -> tuple[Tensor, Tensor]:
     """d2l's ``MultiHeadAttention.forward`` (eval mode) with ``layer``'s ``W_q``, ``W_k``, ``W_v``, ``W_o``:
     ``(output (B, Lq, P), weights (B*H, Lq, Lk))``. ``valid_lens`` (B,) or (B, Lq), repeated per head."""
     h = layer.num_heads

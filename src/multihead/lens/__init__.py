@@ -25,6 +25,7 @@ pattern, take the explicit path (said once per module class). With no lens open 
 from .attribution import Attribution, frozen_norm, logit_attribution
 from .cache import Cache, cache
 from .edit import ABLATIONS, Ablation, MeanAblation, ResampleAblation, ZeroAblation, ablate, hooks
+from .graph import Graph, Node
 from .patch import TOKENS_PER_FORWARD, patch_heads
 from .sites import POINTS, Context, Handler, head_results, select
 
@@ -36,8 +37,10 @@ __all__ = [
     "Attribution",
     "Cache",
     "Context",
+    "Graph",
     "Handler",
     "MeanAblation",
+    "Node",
     "ResampleAblation",
     "ZeroAblation",
     "ablate",

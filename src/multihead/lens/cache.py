@@ -5,7 +5,7 @@ Dimensions: N modules, B batch, H query heads, Hkv key/value heads, Lq/Lk length
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -30,17 +30,63 @@ class Cache:
       previous call's (a KV cache: the last covers every key), else refused.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, grads: bool = False) -> None:
         self._kept: dict[tuple[str, str], list[Tensor]] = {}
         self._order: dict[str, None] = {}  # module names in the order they first ran
+        self._grads: dict[tuple[str, str], list[Tensor | None]] | None = {} if grads else None
+        self._backward = False  # whether a backward pass reached any kept point
 
-    def keep(self, tensor: Tensor, ctx: Context) -> None:
-        """The handler of every cached site (k and v are copied: a cache may write its buffers in place)."""
+    def keep(self, tensor: Tensor, ctx: Context) -> Tensor | None:
+        """The handler of every cached site (k and v are copied: a cache may write its buffers in place).
+
+        With gradients kept, the site's tensor gets a hook storing what the backward pass delivers to it, and
+        ``"result"`` is handed back as its own replacement (so the output projection's output is the sum of the
+        heads' results, and the gradient flows through them)."""
         kept = tensor.detach()
         if ctx.point in _KEY_POINTS:
             kept = kept.clone()
         self._order.setdefault(ctx.name)
         self._kept.setdefault((ctx.name, ctx.point), []).append(kept)
+        if self._grads is None:
+            return None
+        slots = self._grads.setdefault((ctx.name, ctx.point), [])
+        slots.append(None)
+        if tensor.requires_grad:
+            tensor.register_hook(self._grad_hook(slots, len(slots) - 1))
+        return tensor if ctx.point == "result" else None
+
+    def _grad_hook(self, slots: list[Tensor | None], call: int) -> Callable[[Tensor], None]:
+        def hook(grad: Tensor) -> None:
+            self._backward = True
+            held = slots[call]
+            slots[call] = grad.detach().clone() if held is None else held + grad.detach()
+
+        return hook
+
+    def grad(self, name: str, point: str) -> Tensor:
+        """What the backward pass(es) run inside or after the block delivered to ``point`` of module ``name``:
+        the gradient of what ``backward()`` differentiated with respect to it (summed over backward passes), in
+        the point's shape (several calls joined as :meth:`__getitem__` joins them; 0 where the backward did not
+        reach a call)."""
+        if self._grads is None:
+            raise ValueError(
+                "this cache keeps no gradients: open it with lens.cache(model, points, grads=True) and call "
+                "backward() on what the block computed"
+            )
+        self.calls(name, point)  # refuses, by name, a site that was not cached
+        if not self._backward:
+            raise ValueError(
+                f"no backward pass has reached the cached points yet (grad of ({name!r}, {point!r})): call "
+                f"backward() on a value computed from the model's output (with gradients enabled, not under "
+                f"torch.no_grad())"
+            )
+        values = self._kept[name, point]
+        grads = [torch.zeros_like(v) if g is None else g for v, g in zip(values, self._grads[name, point])]
+        if len(grads) == 1:
+            return grads[0]
+        if point in _KEY_POINTS:
+            return _last_of_growing(grads, name, point)
+        return _join_queries([g.nan_to_num() for g in grads], name, point, pad=0.0)
 
     def names(self) -> list[str]:
         """Modules that ran inside the block, in the order they first ran."""
@@ -115,8 +161,9 @@ def _last_of_growing(parts: list[Tensor], name: str, point: str) -> Tensor:
     )
 
 
-def _join_queries(parts: list[Tensor], name: str, point: str) -> Tensor:
-    """Several calls joined along the queries (dim 2); scores/pattern padded on the right to the longest keys."""
+def _join_queries(parts: list[Tensor], name: str, point: str, pad: float | None = None) -> Tensor:
+    """Several calls joined along the queries (dim 2); scores/pattern padded on the right to the longest keys
+    (with ``pad``, default -inf for scores and 0 for the pattern)."""
     if len({(t.shape[:2], t.shape[3:] if point not in _PAD else ()) for t in parts}) > 1:
         raise ValueError(
             f"the calls of {name!r} differ in shape ({[tuple(t.shape) for t in parts]}) and cannot be joined "
@@ -124,13 +171,17 @@ def _join_queries(parts: list[Tensor], name: str, point: str) -> Tensor:
         )
     if point in _PAD:
         lk = max(t.shape[-1] for t in parts)
-        parts = [torch.nn.functional.pad(t, (0, lk - t.shape[-1]), value=_PAD[point]) for t in parts]
+        fill = _PAD[point] if pad is None else pad
+        parts = [torch.nn.functional.pad(t, (0, lk - t.shape[-1]), value=fill) for t in parts]
     return torch.cat(parts, dim=2)  # (B, H, sum of Lq, ...)
 
 
 @contextmanager
 def cache(
-    model: nn.Module, points: Iterable[str] | str = ("pattern", "z"), modules: ModuleSelection = None
+    model: nn.Module,
+    points: Iterable[str] | str = ("pattern", "z"),
+    modules: ModuleSelection = None,
+    grads: bool = False,
 ) -> Iterator[Cache]:
     """Keep ``points`` of the attention modules ``modules`` (names, a predicate on the name, or None: all) while
     the block runs::
@@ -145,10 +196,22 @@ def cache(
     need: q, k, v and z keep the module's own backend; pattern alone comes from the weights the attention function
     returns; scores take the explicit path (:func:`multihead.attention_reference`'s formulation). Composes with
     every other inspector (capture, head masks, importance gates, hooks) in any nesting.
+
+    ``grads=True`` also keeps the gradient each point receives in a backward pass run inside or after the
+    block: ``c.grad(name, point)``, in the point's shape::
+
+        with lens.cache(model, points=("z", "pattern"), grads=True) as c:
+            metric(model(x)).sum().backward()
+        c.grad("layers.0.attn", "z")    # (B, H, Lq, Dv)
+
+    Then the pattern takes the explicit path (the weights a fused kernel returns carry no gradient), and the
+    projection's output is rebuilt from the heads' results when "result" is cached (so gradients reach them).
     """
+    if not isinstance(grads, bool):
+        raise TypeError(f"grads must be True or False, got {type(grads).__name__}")
     chosen = check_points(points)
     names = select(model, modules)
-    out = Cache()
+    out = Cache(grads=grads)
     sites = {name: dict.fromkeys(chosen, out.keep) for name in names}
-    with tapping(model, sites, pattern_from_weights="scores" not in chosen):
+    with tapping(model, sites, pattern_from_weights="scores" not in chosen and not grads):
         yield out

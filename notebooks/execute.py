@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -75,7 +76,6 @@ def execute(path: Path, *, tiny: bool) -> Executed:
 
     nb = nbformat.read(path, as_version=4)
     env = dict(os.environ, MULTIHEAD_NOTEBOOKS="tiny" if tiny else "full", PYTHONWARNINGS="ignore")
-    env["MPLBACKEND"] = "agg"
     with kernel_spec() as specs:
         km = KernelManager(kernel_name=KERNEL, kernel_spec_manager=specs)
         cpu = [float("nan")]
@@ -97,6 +97,23 @@ def execute(path: Path, *, tiny: bool) -> Executed:
         wall = time.perf_counter() - start
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     return Executed(nb, cpu[-1], wall)
+
+
+_FETCHING_SCRIPT = re.compile(
+    r"<script\b[^>]*\bsrc=[\"']https?://[^>]*>.*?</script>"  # require.js, MathJax from a CDN
+    r"|<script\b[^>]*>(?:(?!</script>).)*?\bimport\(\s*[\"']https?://.*?</script>",  # mermaid, imported from one
+    re.S,
+)
+
+
+def offline_html(notebook: object) -> str:
+    """``notebook`` (executed) as one HTML page that loads nothing: nbconvert's JupyterLab template with images
+    embedded, less the template's scripts that load from a CDN (require.js, MathJax, mermaid; the outputs here
+    need none of them). A notebook's own outputs are kept as they are."""
+    from nbconvert import HTMLExporter
+
+    body, _ = HTMLExporter(template_name="lab", embed_images=True).from_notebook_node(notebook)
+    return _FETCHING_SCRIPT.sub("", body)
 
 
 def save(executed: Executed, path: Path) -> int:

@@ -33,7 +33,7 @@ def tiny() -> bool:
     return os.environ.get("MULTIHEAD_NOTEBOOKS", "") == "tiny"
 
 
-WIDTH, STEPS = (32, 10) if tiny() else (64, 600)  # the model's width E and its training steps
+WIDTH, STEPS = (32, 10) if tiny() else (64, 300)  # the model's width E and its training steps
 torch.set_num_threads(1)  # models this small train fastest on one thread (and leave the other cores alone)
 
 

@@ -17,6 +17,7 @@ an empty page. Median [IQR]::
 
     python benchmarks/bench_view_inline.py            # writes benchmarks/results/view_inline.{json,md}
     python benchmarks/bench_view_inline.py --quick    # one round, nothing written
+    python benchmarks/bench_view_inline.py --rounds 25 --build-rounds 3
 """
 
 from __future__ import annotations
@@ -99,7 +100,8 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict:
     ckpt = load(folder)
     text = real_text(folder, TOKENS)
     rounds = 1 if args.quick else args.rounds
-    builds, pages = build_times(ckpt, text, min(rounds, 3), tmp)
+    build_rounds = 1 if args.quick else args.build_rounds
+    builds, pages = build_times(ckpt, text, build_rounds, tmp)
     blank = tmp / "blank.html"
     blank.write_text('<!DOCTYPE html><html><body data-status="ready" data-ms="0"></body></html>')
     renders = render_times({"blank": blank, **pages}, rounds)
@@ -113,7 +115,7 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict:
         "python": platform.python_version(),
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "rounds": rounds,
-        "build_rounds": min(rounds, 3),
+        "build_rounds": build_rounds,
         "tokens": TOKENS,
         "builds": builds,
         "renders": renders,
@@ -166,7 +168,8 @@ def markdown(r: dict) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one round, nothing written")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=15, help="render rounds (a browser's draw is noisy)")
+    parser.add_argument("--build-rounds", type=int, default=2, help="builds of each contender (CPU-timed)")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-view-inline-"))
     try:

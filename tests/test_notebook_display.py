@@ -334,6 +334,9 @@ def test_bad_input_is_refused_by_name(toy):
         viz.show("text")
     with pytest.raises(ValueError, match=r"top must be a positive int"):
         viz.show(graph(), top=0)
+    g = graph()
+    empty = Graph(g.writers, g.readers, torch.zeros_like(g.scores))
+    assert "no edge with a non-zero score" in empty._repr_html_()  # nothing to draw, said so
     assert viz.Capture()._repr_html_() is None  # an empty capture shows as its repr
 
 
@@ -366,7 +369,8 @@ def test_plots_for_files():
         assert want in labels, node
 
 
-def test_a_real_attribution_displays_itself():
+def test_real_lens_results_display_themselves():
+    """A logit attribution and an edge attribution graph of a tiny Llama (GQA: 4 heads, 2 key/value heads)."""
     T = pytest.importorskip("transformers")
     from test_hf_families import V, tiny_config
 
@@ -382,6 +386,17 @@ def test_a_real_attribution_displays_itself():
     assert set(cells) == {(n, h) for n in att.names for h in range(n_heads)}
     for (name, h), v in cells.items():
         assert v == pytest.approx(float(att.heads[att.names.index(name), h].mean()), rel=1e-3, abs=1e-9)
+
+    corrupted = {"input_ids": ids.flip(0)}
+    g = lens.edge_attribution(model, {"input_ids": ids}, corrupted, lambda out: out.logits[:, -1, 5])
+    text = g._repr_html_()
+    assert_offline(text)
+    rows = re.findall(r"<tr><td>([^<]+)</td><td>([^<]+)</td><td>([^<]+)</td></tr>", text)
+    assert [(w, r) for w, r, _ in rows] == [(str(w), str(r)) for w, r, _ in g.top(30)]
+    titles = Parsed(text).titles
+    assert sum(" -> " in t for t in titles) == sum(s != 0 for _, _, s in g.top(30))  # each edge drawn
+    assert any(t.startswith(f"{w} -> {r}: ") for w, r, _ in g.top(1) for t in titles)
+    assert png_image(g._repr_png_()).std() > 10
 
 
 # ------------------------------------------------------------------------------------------------
@@ -445,3 +460,16 @@ def test_a_view_that_fails_says_so_and_the_others_still_draw(toy, tmp_path):
     out.write_text(text, encoding="utf-8")
     got = render(out)
     assert got.status == "error" and got.console, got  # that view reports it, the page says so
+
+
+def test_without_matplotlib_a_view_has_no_png_and_still_saves(monkeypatch, tmp_path):
+    import importlib.util
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else find(name, *a)
+    )
+    view = viz.show(torch.ones(2, 3), names=["a.0", "a.1"])
+    assert view._repr_png_() is None  # the notebook shows the HTML, and no formatter error
+    text = view.save(tmp_path / "heat.html").read_text(encoding="utf-8")
+    assert text.startswith("<!DOCTYPE html>") and "a.1 head 2: +1" in text

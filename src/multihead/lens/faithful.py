@@ -106,13 +106,13 @@ def faithfulness(
             f"ablation={ablation!r} needs reference inputs (reference=...): the run its means come from"
         )
     batch = _check_alike(clean, corrupted)
-    stream = find_stream(model, clean, attention_modules(model))
+    stream, _, out = find_stream(model, clean, attention_modules(model))
     nodes = layout(stream)
     drop = ~_kept(edges, nodes)  # (W, R)
     ablated = method.values(model, stream, nodes, corrupted, reference)
     with torch.no_grad():
         low = float(metric_mean(metric(run(model, corrupted)), batch))
-        high = float(metric_mean(metric(run(model, clean)), batch))
+        high = float(metric_mean(metric(out), batch))
         with reader_run(model, stream, nodes, _removing(drop, ablated)):
             value = float(metric_mean(metric(run(model, clean)), batch))
     if high == low:
@@ -176,7 +176,7 @@ def nudged(
     its upstream writers' (clean - corrupted) outputs: the finite differences that check a column of
     :func:`~multihead.lens.edge_attribution` (its sum is the derivative of this in ``eps`` at 0)."""
     batch = _check_alike(clean, corrupted)
-    stream = find_stream(model, clean, attention_modules(model))
+    stream, clean_blocks, _ = find_stream(model, clean, attention_modules(model))
     nodes = layout(stream)
     if reader not in nodes.readers:
         raise ValueError(f"reader names {reader}, which is not a reader of this model")

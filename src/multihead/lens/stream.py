@@ -154,7 +154,7 @@ class _Seen:
     calls: list[tuple[nn.Module, Tensor | None, Tensor | None]] = field(default_factory=list)
 
 
-def _recorders(layer: nn.Module, seen: _Seen) -> list[tuple[nn.Module, str, Callable[..., Any]]]:
+def _recorders(layer: nn.Module, seen: _Seen, width: int) -> list[tuple[nn.Module, str, Callable[..., Any]]]:
     def on_in(module: nn.Module, args: tuple, kwargs: dict) -> None:
         seen.input = hidden_of(args, kwargs)
 
@@ -169,7 +169,7 @@ def _recorders(layer: nn.Module, seen: _Seen) -> list[tuple[nn.Module, str, Call
         (layer, "post", on_out),
     ]
     for child in layer.children():
-        if any(True for _ in child.parameters()):
+        if any(True for _ in child.parameters()) or _is_norm(child, width):
             hooks.append((child, "post_kw", on_child))
     return hooks
 
@@ -183,8 +183,12 @@ def _close(a: Tensor | None, b: Tensor | None) -> bool:
     return bool(torch.allclose(a, b, rtol=tol, atol=tol * scale))
 
 
-def find_stream(model: nn.Module, inputs: object, found: Mapping[str, nn.Module]) -> Stream:
-    """The stream of ``model`` (attention modules ``found``) found and checked on a run of ``inputs``."""
+def find_stream(
+    model: nn.Module, inputs: object, found: Mapping[str, nn.Module]
+) -> tuple[Stream, list[Tensor], Any]:
+    """The stream of ``model`` (attention modules ``found``) found and checked on a run of ``inputs``; the
+    writers' outputs on that run, one block (n, B, L, E) each (embed (1), each layer's heads (H) and MLP (1));
+    the run's output."""
     pairs = _layers_of(model, found, list(found))
     layers = [model.get_submodule(name) for name, _ in pairs]
     seen = [_Seen() for _ in layers]
@@ -196,16 +200,22 @@ def find_stream(model: nn.Module, inputs: object, found: Mapping[str, nn.Module]
         if seen[-1].output is not None and not final and args and isinstance(args[0], Tensor):
             final.append((module, args[0]))
 
-    hooks = [h for layer, s in zip(layers, seen) for h in _recorders(layer, s)]
+    hooks = [h for layer, s in zip(layers, seen) for h in _recorders(layer, s, width)]
     hooks += [(m, "post", on_norm) for m in model.modules() if id(m) not in inside and _is_norm(m, width)]
     with torch.no_grad(), hooked(hooks), cache(model, "result", modules=[a for _, a in pairs]) as c:
-        run(model, inputs)
+        out = run(model, inputs)
     checked = [
         _check_layer(model, name, layer, found[attention], attention, s, c.calls(attention, "result"), width)
         for (name, attention), layer, s in zip(pairs, layers, seen)
     ]
     norm = final[0][0] if final and torch.equal(final[0][1], seen[-1].output) else None  # type: ignore[arg-type]
-    return Stream(checked, norm, embedding_name(model), _logits_name(model, norm, pairs[-1][0]), width)
+    stream = Stream(checked, norm, embedding_name(model), _logits_name(model, norm, pairs[-1][0]), width)
+    blocks = [seen[0].input[None]]  # type: ignore[index]
+    for layer, s in zip(checked, seen):
+        blocks.append(c[layer.attention, "result"].transpose(0, 1))  # (H, B, L, E)
+        blocks.append(next(o for m, _, o in reversed(s.calls) if m is layer.mlp)[None])  # type: ignore[index]
+        s.calls.clear()
+    return stream, blocks, out
 
 
 def _width(model: nn.Module, attention: nn.Module) -> int:
@@ -256,8 +266,8 @@ def _check_layer(
     if attention_norm is None or not torch.equal(attn_in, x):  # type: ignore[arg-type]
         raise StreamError(
             f"the layer {name!r} is post-norm: its attention does not read a norm of the layer's input (as in "
-            f"BERT and norm_first=False layers, a norm runs on the residual sum), so the residual stream is not "
-            f"a sum of writers and edges are not defined"
+            f"BERT and norm_first=False layers, a norm runs on the residual sum; in OLMo 2, on the attention's "
+            f"output), so the residual stream is not a sum of writers and edges are not defined"
         )
     parts = _mlp_parts(seen, block, norms, layer, name)
     mlp = parts[-1]  # its output is the MLP's (the writer)
@@ -267,7 +277,8 @@ def _check_layer(
         why = (
             "a parallel block: its MLP reads the layer's input, as the attention does (GPT-J, Falcon, GPT-NeoX)"
             if _close(mlp_in, x)
-            else "not pre-norm: its MLP does not read a norm of its input + the attention's output"
+            else "not a sum of writers: its MLP does not read a norm of its input + the attention's output (a "
+            "norm on the attention's output before the residual sum, as Gemma 2's post-attention norm)"
         )
         raise StreamError(
             f"the layer {name!r} is {why}; the MLP is not downstream of the attention on the residual stream, "

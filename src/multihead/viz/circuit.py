@@ -113,6 +113,8 @@ def _xy(node: tuple[str, str, int, int]) -> tuple[float, float]:
 
 def circuit_svg(c: Circuit) -> str:
     """The laid-out circuit as inline SVG (tooltips on nodes and edges)."""
+    if not c.edges:
+        return '<div class="mhs-note">(no edge with a non-zero score)</div>'
     width, height = 24 + len(c.columns) * COL_W - (COL_W - BOX_W), TOP + c.rows * ROW_H + 4
     out = [f'<svg width="{width}" height="{height}" font-size="11">']
     for i, title in enumerate(c.columns):

@@ -17,6 +17,7 @@ script failed. Where scripts do not run, what was drawn on the server (SVG, a PN
 from __future__ import annotations
 
 import html
+import importlib.util
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -110,6 +111,9 @@ class View:
         )
 
     def _repr_png_(self) -> bytes | None:
+        """The PNG fallback; None (no picture, no error in the notebook) without the ``viz`` extra."""
+        if importlib.util.find_spec("matplotlib") is None:
+            return None
         from .plots import _png
 
         fig = self.figure()
@@ -168,6 +172,8 @@ STYLE = """
 .mhs .mhs-ctl input{width:260px}
 .mhs > .mhv{margin:-8px -10px;border-radius:6px;overflow:hidden}
 .mhs .mhv .mh-main{padding-bottom:12px}
+.mhs .mhv [data-p="models"]{max-height:440px;overflow-y:auto}  /* in a notebook: the head view stays near */
+.mhs .mhv .hvbox,.mhs .mhv .tblbox{max-height:min(78vh,520px)}
 """
 """The CSS every view shares, every rule under ``.mhs``."""
 

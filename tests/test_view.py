@@ -390,8 +390,9 @@ def test_view_streams_each_module_and_keeps_no_float_weights(tmp_path, folders, 
     import weakref
 
     from multihead.commands import view
+    from multihead.viz import encoding
 
-    seen, encode = [], page.encode_module
+    seen, encode = [], encoding.encode_module
 
     def spy(name, kind, weights, *args, **kw):
         gc.collect()
@@ -399,7 +400,7 @@ def test_view_streams_each_module_and_keeps_no_float_weights(tmp_path, folders, 
         seen.extend(weakref.ref(t) for t in (weights, weights._base) if t is not None)  # a view: its base too
         return encode(name, kind, weights, *args, **kw)
 
-    monkeypatch.setattr(page, "encode_module", spy)
+    monkeypatch.setattr(encoding, "encode_module", spy)
     ckpt = model_dir.load(folders["encoder-decoder"])
     html, modules = view.view_page(ckpt, TEXT, "the dog ran")
     gc.collect()

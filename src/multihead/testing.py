@@ -352,7 +352,8 @@ def render(
     if exe is None:
         raise FileNotFoundError("no chromium on PATH: apt-get install chromium (or make browser)")
     url = Path(page).resolve().as_uri() + (f"#{fragment}" if fragment else "")
-    with tempfile.TemporaryDirectory(prefix="multihead-chromium-") as profile:
+    # ignore_cleanup_errors: chromium's helper processes may still write to the profile as it is removed
+    with tempfile.TemporaryDirectory(prefix="multihead-chromium-", ignore_cleanup_errors=True) as profile:
         cmd = [
             exe,
             "--headless",
@@ -457,7 +458,8 @@ def render_seconds(page: str | Path, *, timeout: float = 120.0) -> float:
     exe = chromium()
     if exe is None:
         raise FileNotFoundError("no chromium on PATH: apt-get install chromium (or make browser)")
-    with tempfile.TemporaryDirectory(prefix="multihead-chromium-") as profile:
+    # ignore_cleanup_errors: chromium's helper processes may still write to the profile as it is removed
+    with tempfile.TemporaryDirectory(prefix="multihead-chromium-", ignore_cleanup_errors=True) as profile:
         proc = subprocess.Popen(
             [exe, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", f"--user-data-dir={profile}",
              "--host-resolver-rules=MAP * ~NOTFOUND", "--remote-debugging-port=0", "--window-size=1400,1000",

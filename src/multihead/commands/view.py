@@ -22,7 +22,6 @@ from .model_dir import BadInput, CheckpointFolder, load, quiet_tokenizer
 if TYPE_CHECKING:  # imported where used: building the CLI's parser stays light
     import torch
 
-    from ..viz import AttentionRecord
     from ..viz.page import EncodedModule
 
 __all__ = [
@@ -171,34 +170,15 @@ def prepare_inputs(
 # Capture and importance
 # ------------------------------------------------------------------------------------------------
 
-_SIDES = {
-    "encoder self": ("encoder", "encoder"),
-    "decoder self": ("decoder", "decoder"),
-    "cross": ("decoder", "encoder"),
-}
-
 
 def capture_modules(ckpt: CheckpointFolder, inputs: Inputs) -> list[EncodedModule]:
     """Run the model once inside ``viz.stream``: each module's weights (H, Lq, Lk) are encoded for the page
-    (:func:`~multihead.viz.page.encode_module`) as soon as the module has run and then dropped, so only one
-    module's float weights are ever held. One :class:`EncodedModule` per module, in run order."""
-    import torch
+    as soon as the module has run and then dropped, so only one module's float weights are ever held
+    (:func:`~multihead.viz.inline.encode_run`, which the notebook's head view runs too). One
+    :class:`EncodedModule` per module, in run order."""
+    from ..viz.inline import encode_run
 
-    from ..viz import stream
-    from ..viz.page import encode_module
-
-    out: dict[str, EncodedModule] = {}
-
-    def encode(record: AttentionRecord) -> None:
-        if record.name in out:
-            raise ValueError(f"{record.name} ran twice in one forward; the page shows one call per module")
-        q, k = ("input", "input") if "input" in inputs.sequences else _SIDES.get(record.kind, ("input",) * 2)
-        w = record.weights[0]  # (H, Lq, Lk) of the one example
-        out[record.name] = encode_module(record.name, record.kind, w, q, k, inputs.special[k])
-
-    with torch.no_grad(), stream(ckpt.model, encode):
-        ckpt.model(**inputs.kwargs)
-    return list(out.values())
+    return encode_run(ckpt.model, inputs.kwargs, special=inputs.special)
 
 
 def _loss(ckpt: CheckpointFolder, inputs: Inputs) -> Any:
@@ -284,6 +264,7 @@ def model_view_figure(modules: list[EncodedModule], *, title: str) -> Any:
     """A matplotlib figure of the page's model view: one heatmap (Lq x Lk, square-root scale) per module
     (rows) and head (columns); modules may differ in heads and lengths (an encoder-decoder's three kinds)."""
     from ..viz import new_figure
+    from ..viz.show import short_name
 
     cols = max(m.heads for m in modules)
     cell = 1.0 if cols <= 16 else 0.6
@@ -304,15 +285,8 @@ def model_view_figure(modules: list[EncodedModule], *, title: str) -> Any:
                 ax.set_axis_off()
             if r == 0:
                 ax.set_title(f"head {h}", fontsize=8)
-        axes[r][0].set_ylabel(_short(m.name), fontsize=8, rotation=0, ha="right", va="center")
+        axes[r][0].set_ylabel(short_name(m.name), fontsize=8, rotation=0, ha="right", va="center")
     return fig
-
-
-def _short(name: str) -> str:
-    """``"model.decoder.layers.3.encoder_attn"`` -> ``"decoder 3 encoder_attn"``, as the page labels rows."""
-    parts = name.split(".")
-    side = [p for p in parts[:-1] if p in ("encoder", "decoder")][:1]
-    return " ".join(side + [p for p in parts if p.isdigit()] + [parts[-1]])
 
 
 def _check_out(path: str, option: str, suffixes: tuple[str, ...]) -> Path:

@@ -41,6 +41,17 @@ class Attribution:
     rest: Tensor
     logit: Tensor
 
+    def _repr_html_(self) -> str | None:
+        """Drawn in a notebook by :func:`multihead.viz.show`."""
+        from ..viz.show import show
+
+        return show(self)._repr_html_()
+
+    def _repr_png_(self) -> bytes | None:
+        from ..viz.show import show
+
+        return show(self)._repr_png_()
+
 
 def logit_attribution(model: nn.Module, inputs: object, target: Tensor, *, position: int = -1) -> Attribution:
     """Each head's result at ``position`` through the final norm (scale frozen from this run) and the unembedding.

@@ -138,6 +138,17 @@ class Cache:
             )
         return torch.stack([t for _, t in parts])
 
+    def _repr_html_(self) -> str | None:
+        """Drawn in a notebook by :func:`multihead.viz.show`."""
+        from ..viz.show import show
+
+        return show(self)._repr_html_()
+
+    def _repr_png_(self) -> bytes | None:
+        from ..viz.show import show
+
+        return show(self)._repr_png_()
+
 
 def _last_of_growing(parts: list[Tensor], name: str, point: str) -> Tensor:
     """k or v of several calls: the last one, when the keys grow call after call (a KV cache)."""

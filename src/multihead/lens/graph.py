@@ -101,3 +101,14 @@ class Graph:
         best = self.top(3)
         shown = ", ".join(f"{w} -> {r}: {s:+.4g}" for w, r, s in best)
         return f"Graph({len(self.writers)} writers, {len(self.readers)} readers, {len(self)} edges; top: {shown})"
+
+    def _repr_html_(self) -> str | None:
+        """Drawn in a notebook by :func:`multihead.viz.show`."""
+        from ..viz.show import show
+
+        return show(self)._repr_html_()
+
+    def _repr_png_(self) -> bytes | None:
+        from ..viz.show import show
+
+        return show(self)._repr_png_()

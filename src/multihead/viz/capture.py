@@ -78,6 +78,17 @@ class Capture:
         """``{name: get(name)}`` for the modules of one kind, in run order."""
         return {name: self.get(name) for name in self.names(kind)}
 
+    def _repr_html_(self) -> str | None:
+        """Drawn in a notebook by :func:`multihead.viz.show` (nothing to draw while empty)."""
+        from .show import show
+
+        return show(self)._repr_html_() if self.records else None
+
+    def _repr_png_(self) -> bytes | None:
+        from .show import show
+
+        return show(self)._repr_png_() if self.records else None
+
 
 class _Recorder(seam.Inspector):
     """Hands each call's weights, as an :class:`AttentionRecord`, to ``sink``; ``own``: a CPU copy."""

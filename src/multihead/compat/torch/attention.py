@@ -22,9 +22,11 @@ where torch returns NaN.
 Nested tensors (``torch.nested``, jagged or strided layout; one component (L_i, E) per sequence) are
 accepted with ``batch_first=True`` and no masks, in training and inference, with or without autograd:
 attention runs over each sequence's real tokens only and the output is a nested tensor of the query's
-layout (torch takes them only on its inference fast path). Errors are raised as torch's type *and* the
-library's: a bad shape is a :class:`MultiheadAttentionError` (``ValueError`` and ``AssertionError``), its
-message torch's text followed by the fix.
+layout (torch takes them only on its inference fast path). Errors are raised as torch's class *and* the
+library's (:mod:`.boundary`, :mod:`.checks`): a bad shape torch asserts is a :class:`MultiheadAttentionError`
+(``ValueError`` and ``AssertionError``), one torch finds as it computes (an ``attn_mask`` of the wrong shape, a
+key of another batch size) also a ``RuntimeError``, a query of another dtype a ``TypeError`` and a
+``RuntimeError``; the message is torch's text followed by the fix.
 
 Inside torch's own layers (``nn.TransformerEncoderLayer`` and the rest) the drop-in is always called: torch's
 fused inference kernel for the encoder layer (``torch._transformer_encoder_layer_fwd``, which reads the
@@ -46,13 +48,16 @@ from ...nn import seam
 from ...nn.attention import MultiHeadAttention as _CoreMHA
 from ...nn.attention import map_inputs, merge_heads, split_heads
 from .boundary import (
+    FastPathShapeError,
+    InputDtypeError,
     IsCausalError,
     MultiheadAttentionError,
+    MultiheadAttentionRuntimeError,
     _keep_and_bias,
     _pad_keys,
-    _shape,
     _torch_says,
 )
+from .checks import check_call, check_key_and_value
 
 __all__ = ["MultiheadAttention", "torch_attention"]
 
@@ -209,47 +214,6 @@ class MultiheadAttention(_CoreMHA):
 
     # ------------------------------------------------------------------------------------------
 
-    def _check_forward(
-        self, query: Tensor, key: Tensor, value: Tensor, kpm: Tensor | None, attn_mask: Tensor | None
-    ) -> bool:
-        """Validate ranks like torch's ``_mha_shape_check`` (and with its texts); return whether batched."""
-        for name, t in (("query", query), ("key", key), ("value", value)):
-            if not isinstance(t, Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if query.dim() not in (2, 3):
-            raise _torch_says(
-                f"query should be unbatched 2D or batched 3D tensor but received {query.dim()}-D query tensor",
-                "Pass query (L, N, E) ((N, L, E) with batch_first=True) or unbatched (L, E)",
-            )
-        batched = query.dim() == 3
-        kind, rank = ("batched (3-D)", 3) if batched else ("unbatched (2-D)", 2)
-        if key.dim() != rank or value.dim() != rank:
-            raise _torch_says(
-                f"For {kind} `query`, expected `key` and `value` to be {rank}-D but found {key.dim()}-D and "
-                f"{value.dim()}-D tensors respectively",
-                f"Give key and value the query's rank: query {_shape(query)}, key {_shape(key)}, value "
-                f"{_shape(value)}",
-            )
-        if kpm is not None and kpm.dim() != rank - 1:
-            raise _torch_says(
-                f"For {kind} `query`, expected `key_padding_mask` to be `None` or {rank - 1}-D but found "
-                f"{kpm.dim()}-D tensor instead",
-                f"key_padding_mask is {'(N, S)' if batched else '(S,)'}, True = padding; got {_shape(kpm)}",
-            )
-        if attn_mask is not None and attn_mask.dim() not in (2, 3):
-            raise _torch_says(
-                f"For {kind} `query`, expected `attn_mask` to be `None`, 2-D or 3-D but found "
-                f"{attn_mask.dim()}-D tensor instead",
-                f"attn_mask is (L, S) or {'(N*num_heads, L, S)' if batched else '(num_heads, L, S)'}; got "
-                f"{_shape(attn_mask)}",
-            )
-        if not query.is_nested and query.shape[-1] != self.embed_dim:
-            raise _torch_says(
-                f"was expecting embedding dimension of {self.embed_dim}, but got {query.shape[-1]}",
-                f"query's last dim is embed_dim; got query {_shape(query)}",
-            )
-        return batched
-
     def _masks(
         self,
         key_padding_mask: Tensor | None,
@@ -286,6 +250,7 @@ class MultiheadAttention(_CoreMHA):
                     f"A {am.dim()}-D attn_mask is {'(L, S)' if am.dim() == 2 else '(N*num_heads, L, S)'} with "
                     f"L = {lq}, S = {lk}; for one mask per batch element, repeat it per head: "
                     f"attn_mask.repeat_interleave(num_heads, dim=0)",
+                    MultiheadAttentionRuntimeError,  # torch finds it as it computes
                 )
             if am.dim() == 3:  # (N*H, L, S) -> (N, H, L, S), row n*H + h is batch n, head h
                 am_keep = None if am_keep is None else am_keep.view(n, self.num_heads, lq, lk)
@@ -295,6 +260,7 @@ class MultiheadAttention(_CoreMHA):
                 raise _torch_says(
                     f"expecting key_padding_mask shape of {(n, lk)}, but got {tuple(key_padding_mask.shape)}",
                     "key_padding_mask is (N, S): one row per batch element, one column per key",
+                    FastPathShapeError,
                 )
             kpm_keep = None if kpm_keep is None else kpm_keep[:, None, None, :]  # (N, 1, 1, S)
             kpm_bias = None if kpm_bias is None else kpm_bias[:, None, None, :]  # (N, 1, 1, S)
@@ -341,15 +307,18 @@ class MultiheadAttention(_CoreMHA):
             return self._forward_nested(
                 query, key, value, key_padding_mask, attn_mask, is_causal, need_weights, average_attn_weights
             )
-        batched = self._check_forward(query, key, value, key_padding_mask, attn_mask)
+        batched = check_call(self, query, key, value, key_padding_mask, attn_mask)
+        check_key_and_value(self, query, key, value, batched)
         if batched and not self.batch_first:
             query, key, value = map_inputs(lambda t: t.transpose(0, 1), query, key, value)  # (N, L, E)
         elif not batched:
             query, key, value = map_inputs(lambda t: t.unsqueeze(0), query, key, value)  # (1, L, E)
             key_padding_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(0)  # (1, S)
-        try:
+        try:  # shapes are checked: what is left is a dtype (torch's projection: RuntimeError) or a device
             self._check_inputs(query, key, value)
-        except ValueError as e:  # a length or feature-size mismatch: torch's AssertionError as well
+        except TypeError as e:
+            raise InputDtypeError(str(e)) from None
+        except ValueError as e:
             raise MultiheadAttentionError(str(e)) from None
         n, lq, lk = query.shape[0], query.shape[1], key.shape[1]
         keep, bias, causal = self._masks(
@@ -449,7 +418,7 @@ class MultiheadAttention(_CoreMHA):
         average_attn_weights: bool,
     ) -> tuple[Tensor, Tensor | None]:
         """Nested (N, L*, E) inputs: each sequence attends over its own real tokens; nested output."""
-        self._check_forward(query, key, value, key_padding_mask, attn_mask)
+        check_call(self, query, key, value, key_padding_mask, attn_mask)
         if not all(t.is_nested for t in (query, key, value)):
             raise _torch_says(
                 "MultiheadAttention got a NestedTensor mixed with a dense tensor",

@@ -10,7 +10,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["IsCausalError", "MaskDtypeError", "MultiheadAttentionError"]
+__all__ = [
+    "FastPathShapeError",
+    "InputDtypeError",
+    "IsCausalError",
+    "MaskDtypeError",
+    "MultiheadAttentionError",
+    "MultiheadAttentionRuntimeError",
+    "NotATensorError",
+]
+
+# Each error of the drop-in is also an instance of the class torch.nn.MultiheadAttention (torch 2.13) raises for
+# the same mistake, so an ``except`` clause written for torch catches it; its message names the argument, the
+# expected and actual value, and the fix. tests/test_compat_torch_errors.py checks each against torch's module.
 
 
 class MultiheadAttentionError(ValueError, AssertionError):
@@ -18,25 +30,45 @@ class MultiheadAttentionError(ValueError, AssertionError):
     ``ValueError``; this is both, so ``except AssertionError`` written against torch still catches it."""
 
 
-class IsCausalError(ValueError, RuntimeError):
+class MultiheadAttentionRuntimeError(ValueError, RuntimeError):
+    """A bad argument torch finds only as it computes -- an ``attn_mask`` of the wrong shape, a key and value
+    whose batch or feature size does not fit the query or the projections: torch raises ``RuntimeError``
+    (from a ``view`` or a matrix product), the library ``ValueError``; this is both."""
+
+
+class FastPathShapeError(MultiheadAttentionError, RuntimeError):
+    """A bad shape torch reports as ``AssertionError`` on its general path and as ``RuntimeError`` on its fused
+    inference path (eval, no grad, batch_first, one tensor as query, key and value): a mask of the wrong rank,
+    a ``key_padding_mask`` of the wrong shape, a query of the wrong ``embed_dim``. This is all three."""
+
+
+class IsCausalError(MultiheadAttentionRuntimeError):
     """``is_causal=True`` without ``attn_mask`` (torch raises ``RuntimeError`` here; this is both)."""
 
 
-class MaskDtypeError(ValueError, RuntimeError):
+class MaskDtypeError(MultiheadAttentionRuntimeError):
     """A float mask whose dtype is not the query's (torch raises ``RuntimeError`` here; this is both)."""
 
 
-def _torch_says(torch_text: str, fix: str) -> MultiheadAttentionError:
-    """torch's own message (what code written against torch matches on), then the library's fix."""
-    return MultiheadAttentionError(f"{torch_text}. {fix}")
+class InputDtypeError(TypeError, RuntimeError):
+    """A query, key or value whose dtype is not the module's (a float64 or an int64 query into a float32
+    module): torch's projection raises ``RuntimeError``, the library ``TypeError``; this is both."""
+
+
+class NotATensorError(TypeError, AttributeError):
+    """A query, key or value that is not a tensor (a list): torch reads an attribute of it and raises
+    ``AttributeError``, the library ``TypeError``; this is both."""
+
+
+def _torch_says(torch_text: str, fix: str, kind: type[ValueError] = MultiheadAttentionError) -> ValueError:
+    """torch's own message (what code written against torch matches on), then the library's fix, as ``kind``."""
+    return kind(f"{torch_text}. {fix}")
 
 
 def _keep_and_bias(m: Tensor | None, name: str, dtype: torch.dtype) -> tuple[Tensor | None, Tensor | None]:
     """A torch-style mask to (keep, bias): bool ``True`` = masked out becomes keep ``False``."""
     if m is None:
         return None, None
-    if not isinstance(m, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor (bool or float) or None, got {type(m).__name__}")
     if m.dtype == torch.bool:
         return ~m, None
     if m.is_floating_point():

@@ -142,7 +142,7 @@ def how_to_call(
     except (KeyError, TypeError):  # not seen yet, or not weak-referenceable (then probed every call)
         pass
     check_signature(fn, kind)
-    if 0 in target:
+    if 0 in target:  # no point to probe, and none to evaluate: call_fn never calls it (an empty tile)
         return True
     idx = _probe_index(target, device)
     try:
@@ -188,7 +188,16 @@ def call_fn(fn: Callable[..., object], kind: str, idx: Index, broadcast: bool | 
 
     ``broadcast``: how to call it (:func:`how_to_call`); ``None`` = as decided for this function before,
     or per scalar if it was never probed. Errors are ``ValueError`` naming the function, chaining its own.
+
+    A tile with no point (a length, B or H of 0) has nothing for the function to say: it is not called, and
+    the result is an empty bool (mask) or float (bias) tensor of the tile's shape. Called on empty index
+    tensors, a function written for FlexAttention's 0-d indices (``table[kv_idx][1]``) would index the
+    wrong dimension, and no probe can say how it means to be called with no point to probe.
     """
+    shape = _shape(idx)
+    if 0 in shape:
+        dtype = torch.bool if kind == "mask" else torch.get_default_dtype()
+        return torch.zeros(shape, dtype=dtype, device=idx[0].device)  # (B|1, H|1, n|1, w|1), no entry
     if broadcast is None:
         try:
             broadcast = _MODES.get(fn, False)
@@ -200,10 +209,10 @@ def call_fn(fn: Callable[..., object], kind: str, idx: Index, broadcast: bool | 
         out = fn(*idx)
     except Exception as err:
         raise ValueError(
-            f"the {kind} function {fn_name(fn)!r} failed on the index tensors of the tile {_shape(idx)}: "
+            f"the {kind} function {fn_name(fn)!r} failed on the index tensors of the tile {shape}: "
             f"{type(err).__name__}: {err}"
         ) from err
-    return _checked(out, fn, kind, _shape(idx))
+    return _checked(out, fn, kind, shape)
 
 
 def probe_fn(

@@ -566,8 +566,8 @@ def _span_into(dest: Tensor, lse: Tensor | None, qs: Tensor, kt: Tensor, vt: Ten
 
     A block holds one span's kernel output beside the call's output and no partial sums. Joined out of
     place (``acc * exp(..) + o * exp(..)``: five block-sized tensors at once) a two-sided window of 512 at
-    L = 16,384 (H = 8, D = 64, float32) grew 35.8-38.0 MiB against the unmasked call's 32.8-32.9 (Zen 1,
-    fresh processes); in place, 33.1-34.3.
+    L = 16,384 (H = 8, D = 64, float32) grew 35.8-37.9 MiB against the unmasked call's 32.7-32.9 (Zen 1,
+    fresh processes); in place, 33.5-34.1 (docs/performance.md).
     """
     b, h, n, dv = dest.shape
     o, part = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(

@@ -472,7 +472,7 @@ def main() -> int:
     if args.only == "cache":
         r = {"meta": meta(), "cache": caching(model, bridge, lens_peer.real_text(tok, CACHE_TOKENS), n)}
         r["meta"] = meta()  # the load average at the end
-        print(cache_markdown(r))
+        print(markdown(r))
         return 0 if args.quick else write(r, RESULTS, args.name)
     pair = lens_peer.prompt_pair(tok)
     short, long = (lens_peer.real_text(tok, n) for n in (EQUAL_TOKENS, CACHE_TOKENS))
@@ -493,47 +493,14 @@ def main() -> int:
     return 0 if args.quick else write(r, RESULTS, args.name)
 
 
-def cache_markdown(r: dict) -> str:
-    """The markdown of a record of part 3 alone (``--only cache``)."""
-    m, c = r["meta"], r["cache"]
-    sec = c["cpu_seconds"]
-
-    def s(k: str) -> str:
-        return f"{sec[k]['median']:.3f} [{sec[k]['q1']:.3f}, {sec[k]['q3']:.3f}]"
-
-    def x(d: dict) -> str:
-        return f"{d['median']:.3f}x [{d['q1']:.3f}, {d['q3']:.3f}]"
-
-    rows = [
-        "# `lens.cache` vs TransformerLens's `run_with_cache` on SmolLM2-135M (CPU, part 3 alone)",
-        "",
-        f"{m['when']}, {m['cpu_words']}; {m['machine']}; torch {m['torch']}, transformers {m['transformers']}, "
-        f"transformer_lens {m['transformer_lens']}. Pattern and z of all 30 layers at {c['tokens']} tokens; "
-        f"{len(c['times']['multihead forward']['cpu'])} interleaved rounds in balanced orders, each call timed "
-        "in the process's CPU seconds (one torch thread: the machine is shared, waiting for a core does not "
-        "count). Written by `benchmarks/bench_lens.py --only cache`.",
-        "",
-        "| run | CPU seconds per call |",
-        "| --- | --- |",
-        *(f"| {k} | {s(k)} |" for k in sec),
-        "",
-        f"`lens.cache` / `run_with_cache`: **{x(c['ratio'])}** (target <= {c['target']}x: "
-        f"{'met' if c['met'] else 'not met'}); wall-clock ratio {x(c['wall_ratio'])}; `lens.cache` over our "
-        f"plain forward {x(c['over_plain_forward'])}.",
-    ]
-    return "\n".join(rows) + "\n"
-
-
 def write(r: dict, folder: Path, name: str = "lens_cpu") -> int:
     """``NAME.{json,md,png}`` of the record ``r`` in ``folder`` (a record of the cache part alone: json and
     md)."""
     folder.mkdir(exist_ok=True)
     (folder / f"{name}.json").write_text(json.dumps(r, indent=1) + "\n")
-    if set(r) == {"meta", "cache"}:
-        (folder / f"{name}.md").write_text(cache_markdown(r))
-        return 0
     (folder / f"{name}.md").write_text(markdown(r))
-    chart(r, folder / f"{name}.png")
+    if set(r) != {"meta", "cache"}:  # the whole comparison: its chart too
+        chart(r, folder / f"{name}.png")
     return 0
 
 

@@ -29,6 +29,7 @@ interquartile ranges of per-round values::
 
     flock /tmp/bench.lock python benchmarks/bench_lens.py          # writes results/lens_cpu.{json,md,png}
     python benchmarks/bench_lens.py --quick                          # 2 rounds, nothing written
+    python benchmarks/bench_lens.py --only cache --name lens_cpu_zen1  # part 3 alone: lens_cpu_zen1.{json,md}
 """
 
 from __future__ import annotations
@@ -452,18 +453,27 @@ def main() -> int:
     parser.add_argument(
         "--report", metavar="JSON", help="write the markdown and chart of a record, measure nothing"
     )
+    parser.add_argument(
+        "--only", choices=("cache",), help="measure this part alone (its own markdown, no chart)"
+    )
+    parser.add_argument("--name", default="lens_cpu", help="results/NAME.{json,md,png} (default lens_cpu)")
     parser.add_argument("--worker", choices=("plain", "lens"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args.worker)
     if args.report:
         r = json.loads(Path(args.report).read_text())
-        return write(r, Path(args.report).parent)
+        return write(r, Path(args.report).parent, args.name)
     n, n_sweep = (2, 2) if args.quick else (args.rounds, args.sweep_rounds)
     torch.set_num_threads(1)
     folder = str(smollm2_dir())
     tok = tokenizer(folder)
     model, bridge = ours_model(folder), lens_peer.boot(folder)
+    if args.only == "cache":
+        r = {"meta": meta(), "cache": caching(model, bridge, lens_peer.real_text(tok, CACHE_TOKENS), n)}
+        r["meta"] = meta()  # the load average at the end
+        print(markdown(r))
+        return 0 if args.quick else write(r, RESULTS, args.name)
     pair = lens_peer.prompt_pair(tok)
     short, long = (lens_peer.real_text(tok, n) for n in (EQUAL_TOKENS, CACHE_TOKENS))
     parts: dict[str, Callable[[], object]] = {
@@ -480,15 +490,17 @@ def main() -> int:
         PARTIAL.write_text(json.dumps(r, indent=1))  # a crash keeps what was measured
     r["meta"] = meta()  # the load average at the end
     print(markdown(r))
-    return 0 if args.quick else write(r, RESULTS)
+    return 0 if args.quick else write(r, RESULTS, args.name)
 
 
-def write(r: dict, folder: Path) -> int:
-    """``lens_cpu.{json,md,png}`` of the record ``r`` in ``folder``."""
+def write(r: dict, folder: Path, name: str = "lens_cpu") -> int:
+    """``NAME.{json,md,png}`` of the record ``r`` in ``folder`` (a record of the cache part alone: json and
+    md)."""
     folder.mkdir(exist_ok=True)
-    (folder / "lens_cpu.json").write_text(json.dumps(r, indent=1) + "\n")
-    (folder / "lens_cpu.md").write_text(markdown(r))
-    chart(r, folder / "lens_cpu.png")
+    (folder / f"{name}.json").write_text(json.dumps(r, indent=1) + "\n")
+    (folder / f"{name}.md").write_text(markdown(r))
+    if set(r) != {"meta", "cache"}:  # the whole comparison: its chart too
+        chart(r, folder / f"{name}.png")
     return 0
 
 

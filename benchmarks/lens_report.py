@@ -123,6 +123,9 @@ def _memory(r: dict) -> list[str]:
 
 
 def markdown(r: dict) -> str:
+    """The record ``r`` as markdown: the whole comparison, or the caching part alone (``--only cache``)."""
+    if set(r) == {"meta", "cache"}:
+        return cache_markdown(r)
     m = r["meta"]
     head = [
         "# `multihead.lens` vs TransformerLens 4.3 on a real causal LM (CPU)",
@@ -147,6 +150,37 @@ def markdown(r: dict) -> str:
         ["## Hooks compared", ""] + mapping,
     ]
     return "\n\n".join("\n".join(p) for p in parts) + "\n"
+
+
+def cache_markdown(r: dict) -> str:
+    """The markdown of a record of part 3 alone (``--only cache``)."""
+    m, c = r["meta"], r["cache"]
+    sec = c["cpu_seconds"]
+
+    def s(k: str) -> str:
+        return f"{sec[k]['median']:.3f} [{sec[k]['q1']:.3f}, {sec[k]['q3']:.3f}]"
+
+    def x(d: dict) -> str:
+        return f"{d['median']:.3f}x [{d['q1']:.3f}, {d['q3']:.3f}]"
+
+    rows = [
+        "# `lens.cache` vs TransformerLens's `run_with_cache` on SmolLM2-135M (CPU, part 3 alone)",
+        "",
+        f"{m['when']}, {m['cpu_words']}; {m['machine']}; torch {m['torch']}, transformers {m['transformers']}, "
+        f"transformer_lens {m['transformer_lens']}. Pattern and z of all 30 layers at {c['tokens']} tokens; "
+        f"{len(c['times']['multihead forward']['cpu'])} interleaved rounds in balanced orders, each call timed "
+        "in the process's CPU seconds (one torch thread: the machine is shared, waiting for a core does not "
+        "count). Written by `benchmarks/bench_lens.py --only cache`.",
+        "",
+        "| run | CPU seconds per call |",
+        "| --- | --- |",
+        *(f"| {k} | {s(k)} |" for k in sec),
+        "",
+        f"`lens.cache` / `run_with_cache`: **{x(c['ratio'])}** (target <= {c['target']}x: "
+        f"{'met' if c['met'] else 'not met'}); wall-clock ratio {x(c['wall_ratio'])}; `lens.cache` over our "
+        f"plain forward {x(c['over_plain_forward'])}.",
+    ]
+    return "\n".join(rows) + "\n"
 
 
 def chart(r: dict, path: Path) -> None:

@@ -433,7 +433,8 @@ def test_prune_interval_maps_batch_rows_back_to_their_texts():
 
 
 @pytest.mark.parametrize(
-    ("module", "stem"), [("lens_report", "lens_cpu"), ("lens_induction", "lens_induction")]
+    ("module", "stem"),
+    [("lens_report", "lens_cpu"), ("lens_report", "lens_cpu_zen1"), ("lens_induction", "lens_induction")],
 )
 def test_lens_reports_are_their_json(module, stem):
     """The committed lens comparison (bench_lens.py) and worked example (lens_induction.py) are their JSON."""

@@ -6,6 +6,8 @@ The package, by concern:
   FLOPs of a case;
 * :mod:`~multihead.bench.contenders` -- a table (name, level) -> step builder: multihead, torch,
   naive, keras, sdpa, bare decode work, ring attention;
+* :mod:`~multihead.bench.peers` -- every attention contender's values against the float64 reference,
+  before it is timed (a wrong one is reported with a reproducer, never timed);
 * :mod:`~multihead.bench.measure` -- interleaved timing rounds, peak memory, the progress bar;
 * :mod:`~multihead.bench.stats` and :mod:`~multihead.bench.targets` -- medians with interquartile
   ranges, per-round ratios, and targets as ``Target(metric, peer, op, bound)`` records;

@@ -53,6 +53,7 @@ __all__ = [
     "Contender",
     "NaiveMHA",
     "Step",
+    "attention_inputs",
     "build",
     "matmul_step",
     "naive_attention",
@@ -61,10 +62,14 @@ __all__ = [
 
 
 class Step(NamedTuple):
-    """``run()``: one timed call. ``prepare()``: untimed, before every call (None: nothing to do)."""
+    """``run()``: one timed call. ``prepare()``: untimed, before every call (None: nothing to do).
+    ``output()``: the call's forward output (B, H, Lq, Dv) under no grad, on the inputs of
+    :func:`attention_inputs`, which :mod:`multihead.bench.peers` compares with the float64 reference before
+    the step is timed (None: the contender's output is not attention's, e.g. a module's)."""
 
     run: Callable[[], object]
     prepare: Callable[[], None] | None = None
+    output: Callable[[], Tensor] | None = None
 
 
 class Contender(NamedTuple):
@@ -102,22 +107,25 @@ def _first(out: object) -> Tensor:
     return out[0] if isinstance(out, tuple) else out  # type: ignore[return-value]
 
 
-def _step(fn: Callable[[], object], case: Case, grads: list[Tensor]) -> Step:
-    """``fn`` under no grad, or (``"train"``) forward + backward of the output's sum."""
+def _step(fn: Callable[[], object], case: Case, grads: list[Tensor], *, attends: bool = False) -> Step:
+    """``fn`` under no grad, or (``"train"``) forward + backward of the output's sum. ``attends``: ``fn``
+    returns attention's output (or an (output, weights) pair) on :func:`attention_inputs`: the step's
+    ``output`` is its forward under no grad."""
+
+    def forward() -> object:
+        with torch.no_grad():
+            return fn()
+
+    output = (lambda: _first(forward())) if attends else None
     if case.mode != "train":
-
-        def forward() -> object:
-            with torch.no_grad():
-                return fn()
-
-        return Step(forward)
+        return Step(forward, output=output)
 
     def train() -> None:
         for t in grads:
             t.grad = None
         _first(fn()).float().sum().backward()
 
-    return Step(train)
+    return Step(train, output=output)
 
 
 def _module_input(case: Case, device: torch.device) -> Tensor:
@@ -129,6 +137,12 @@ def _module_input(case: Case, device: torch.device) -> Tensor:
         **_factory(case, device),  # type: ignore[arg-type]
         requires_grad=case.mode == "train",
     )  # fmt: skip  (B, L, E)
+
+
+def attention_inputs(case: Case, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """The inputs every attention-level contender of ``case`` gets: q (B, H, L, D), k and v (B, Hkv, L, D),
+    drawn after ``torch.manual_seed(0)`` (requiring grad in ``"train"`` mode)."""
+    return _qkv(case, device)
 
 
 def _qkv(case: Case, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
@@ -258,14 +272,16 @@ def _ours_attention(case: Case, device: torch.device) -> Step:
     q, k, v = _qkv(case, device)
     if case.mask_form == "new ids":  # segment ids new on every call, as each training step's are
         ids = mask_of(case.mask, "segments", case.length, device)["segment_ids"]
-        return _step(lambda: attention(q, k, v, segment_ids=ids.clone(), causal=True), case, [q, k, v])  # type: ignore[union-attr]
+        return _step(
+            lambda: attention(q, k, v, segment_ids=ids.clone(), causal=True), case, [q, k, v], attends=True
+        )  # type: ignore[union-attr]
     if case.mask:  # a mask case: the mask as the case's form gives it (lambda, library, segments, BlockMask)
         kw = mask_of(case.mask, case.mask_form, case.length, device)
-        return _step(lambda: attention(q, k, v, **kw), case, [q, k, v])  # type: ignore[arg-type]
+        return _step(lambda: attention(q, k, v, **kw), case, [q, k, v], attends=True)  # type: ignore[arg-type]
     if case.window:  # a mask function: the call's cost follows the window, not L*L
         fn = window_function(case.window, case.window_form)
-        return _step(lambda: attention(q, k, v, mask=fn, causal=case.causal), case, [q, k, v])  # type: ignore[arg-type]
-    return _step(lambda: attention(q, k, v, causal=case.causal), case, [q, k, v])
+        return _step(lambda: attention(q, k, v, mask=fn, causal=case.causal), case, [q, k, v], attends=True)  # type: ignore[arg-type]
+    return _step(lambda: attention(q, k, v, causal=case.causal), case, [q, k, v], attends=True)
 
 
 def _ragged_inputs(case: Case, device: torch.device) -> list[tuple[Tensor, Tensor, Tensor]]:
@@ -355,7 +371,7 @@ def _sdpa_attention(case: Case, device: torch.device) -> Step:
     q, k, v = _qkv(case, device)
     call = _sdpa_call(case, device)
     call(q.detach(), k.detach(), v.detach())  # a backend that cannot serve the case raises here, not timed
-    return _step(lambda: call(q, k, v), case, [q, k, v])
+    return _step(lambda: call(q, k, v), case, [q, k, v], attends=True)
 
 
 def _sdpa_module(case: Case, device: torch.device) -> Step:
@@ -395,20 +411,20 @@ def _flex_attention(case: Case, device: torch.device) -> Step:
 
     built = blocks()
     if case.mask_form == "rebuilt":
-        return _step(lambda: run(q, k, v, block_mask=blocks(), enable_gqa=gqa), case, [q, k, v])
-    return _step(lambda: run(q, k, v, block_mask=built, enable_gqa=gqa), case, [q, k, v])
+        return _step(lambda: run(q, k, v, block_mask=blocks(), enable_gqa=gqa), case, [q, k, v], attends=True)
+    return _step(lambda: run(q, k, v, block_mask=built, enable_gqa=gqa), case, [q, k, v], attends=True)
 
 
 def _naive_attention(case: Case, device: torch.device) -> Step:
     q, k, v = _qkv(case, device)
-    return _step(lambda: naive_attention(q, k, v, case.causal), case, [q, k, v])
+    return _step(lambda: naive_attention(q, k, v, case.causal), case, [q, k, v], attends=True)
 
 
 def _ring_attention(case: Case, device: torch.device) -> Step:
     from ..distributed import ring_attention  # noqa: PLC0415  (tools may use distributed; only this needs it)
 
     q, k, v = _qkv(case, device)
-    return _step(lambda: ring_attention(q, k, v, causal=case.causal), case, [q, k, v])
+    return _step(lambda: ring_attention(q, k, v, causal=case.causal), case, [q, k, v], attends=True)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -21,7 +21,10 @@ class Result:
     Times are per call in seconds; ``time_s`` is their median and IQR. ``of_matmul``: the contender's
     GFLOP/s over the matmul yardstick's, per round. ``time_vs_subject``: this contender's time over the
     case's subject's, per round (1.0 for the subject itself). Memory is one measurement (MiB of peak
-    growth above inputs and weights), ``None`` where it was not measured.
+    growth above inputs and weights), ``None`` where it was not measured. ``values``: its output's check
+    against the float64 reference before it was timed (:class:`multihead.bench.peers.ValueCheck` as a
+    dict; ``None``: not an attention output); a contender that failed it has ``status`` "wrong: ..." and
+    no times.
     """
 
     status: str
@@ -32,6 +35,7 @@ class Result:
     time_vs_subject: Spread | None = None
     peak_memory_mib: float | None = None
     memory_vs_subject: float | None = None
+    values: dict[str, object] | None = None
 
     @property
     def ok(self) -> bool:

@@ -76,6 +76,27 @@ def _case_rows(rec: CaseRecord, unit_scale: float, peak: float | None = None) ->
     return rows
 
 
+def _values_words(report: Report) -> list[str]:
+    """How many contenders' outputs were checked against the float64 reference before they were timed, and
+    each wrong one with its reproducer (its row says "wrong" and has no times)."""
+    checked = [(rec.case.name, r) for rec in report.cases for r in rec.results.values() if r.values]
+    if not checked:
+        return []
+    wrong = [(name, r.values) for name, r in checked if r.values and not r.values["ok"]]
+    lines = [
+        "",
+        f"Values: {len(checked)} contenders' outputs (every one that computes attention) were compared with "
+        "the float64 reference before they were timed, under the 2x rule (`multihead.bench.peers`); "
+        + (f"{len(wrong)} wrong, reported and not timed:" if wrong else "none was wrong."),
+    ]
+    for name, v in wrong:
+        lines.append(
+            f"- {name}: {v['contender']}, max error {v['error']:.3g} (allowed {v['allowed']:.3g}) at "
+            f"{v['checked']}; rerun: `{v['reproducer']}`"
+        )
+    return lines
+
+
 def _sweep_tables(report: Report) -> list[str]:
     """One table per sweep: the subject's and the peer's times per case, and their per-round ratio."""
     lines: list[str] = []
@@ -130,6 +151,7 @@ def markdown(report: Report) -> str:
         lines[3] += " ---: |"
     for rec in report.cases:
         lines += _case_rows(rec, scale, peak)
+    lines += _values_words(report)
     lines += _sweep_tables(report)
     checks = [(rec.case.name, c) for rec in report.cases for c in rec.checks]
     checks += [("(sweep)", c) for c in report.sweeps]

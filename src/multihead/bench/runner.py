@@ -10,7 +10,7 @@ attention gets its process group.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -19,6 +19,7 @@ from .cases import Case, Run, Suite, Sweep, flops
 from .contenders import CONTENDERS, Step, build, matmul_step
 from .measure import Settings, available_bytes, interleaved, peak_memory, track_cpu_memory
 from .pair import cpu_words
+from .peers import check_values
 from .records import Check, Result
 from .stats import Spread, per_round_ratio, spread
 from .targets import evaluate, evaluate_growth
@@ -56,8 +57,12 @@ def _scores_bytes(case: Case) -> int:
     return case.batch * case.heads * case.lq * case.lk * torch.finfo(getattr(torch, case.dtype)).bits // 8
 
 
-def _build_steps(case: Case, device: torch.device, results: dict[str, Result]) -> dict[str, Step]:
-    """Every run's step; a run that cannot be built gets a result saying why."""
+def _build_steps(
+    case: Case, device: torch.device, results: dict[str, Result], checked: dict[str, dict[str, object]]
+) -> dict[str, Step]:
+    """Every run's step, its values checked first (:func:`multihead.bench.peers.check_values`: each passed
+    check in ``checked``); a run that cannot be built gets a result saying why, a wrong one a result
+    saying so with its reproducer, and neither is timed."""
     steps: dict[str, Step] = {}
     for r in case.runs:
         c = case.variant(r)
@@ -68,11 +73,20 @@ def _build_steps(case: Case, device: torch.device, results: dict[str, Result]) -
                 results[r.label] = Result(f"skipped: would hold (B, H, Lq, Lk) = {need / 2**30:.1f} GiB")
                 continue
         try:
-            steps[r.label] = build(r.contender, c, device)
+            step = build(r.contender, c, device)
+            found = check_values(r.contender, c, device, step)
         except (ImportError, ModuleNotFoundError):
             results[r.label] = Result("not installed")
+            continue
         except Exception as exc:  # a peer that cannot run this case says why, the suite goes on
             results[r.label] = Result(f"unavailable: {exc}"[:200])
+            continue
+        if found is not None and not found.ok:  # a wrong answer is reported, never timed
+            results[r.label] = Result(found.words(), values=asdict(found))
+            continue
+        steps[r.label] = step
+        if found is not None:
+            checked[r.label] = asdict(found)
     return steps
 
 
@@ -91,7 +105,8 @@ def measure_case(
     progress.update(0, case=case.name, step="")
     runs: dict[str, Run] = {r.label: r for r in case.runs}
     results: dict[str, Result] = {}
-    steps = _build_steps(case, device, results)
+    checked: dict[str, dict[str, object]] = {}
+    steps = _build_steps(case, device, results, checked)
     record = CaseRecord(case, flops(case))
     if case.memory_only:  # one call each (long sequences): its time and its peak memory
         small = replace(case, length=min(case.length, 256))
@@ -134,6 +149,9 @@ def measure_case(
         for label, ts in times.items():
             c = case.variant(runs[label])
             results[label] = _result(c, [t / c.steps for t in ts], matmul, settings.matmul_n)  # per step
+    for label, values in checked.items():
+        if label in results:
+            results[label].values = values
     record.results = {r.label: results[r.label] for r in case.runs if r.label in results}
     if memory and not case.memory_only:
         add_memory(record, device, progress)

@@ -1,0 +1,64 @@
+"""A sliding window given as a mask function costs no more memory than it must (issue 55, item 4).
+
+Dimensions: B batch, H heads, L length, D head dim, n queries of a block.
+
+Each call is measured as the issue's check does: in a fresh process, after one warm-up call, with glibc's
+mmap threshold fixed (:func:`multihead.bench.measure.track_cpu_memory`), as the peak resident growth of one
+call. A two-sided lambda window of 512 on the blocked backend holds, beside the output, one span's kernel
+output and no partial sums: its growth at L = 4,096 (H = 8, D = 64, float32) was 14.4-15.6 MiB against the
+unmasked call's 8.4 when the spans were joined out of place, 9.4-9.6 in place (Zen 1).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_CHILD = """
+import sys, torch
+torch.set_num_threads(1)
+import multihead as mh
+from multihead.bench.contenders import Step
+from multihead.bench.measure import peak_memory, track_cpu_memory
+n, masked = int(sys.argv[1]), sys.argv[2] == "window"
+torch.manual_seed(0)
+q, k, v = (torch.randn(1, 8, n, 64) for _ in range(3))  # (B, H, L, D)
+window = lambda b, h, i, j: (i - j).abs() <= 512  # held across calls, as a training loop holds its mask
+def call():
+    with torch.no_grad():
+        if masked:
+            return mh.attention(q, k, v, mask=window, backend="blocked")
+        return mh.attention(q, k, v)
+call()  # the warm-up
+track_cpu_memory()
+print(peak_memory(Step(call), torch.device("cpu")))
+"""
+
+
+def _growth(length: int, kind: str) -> float:
+    """MiB of peak resident growth of one call (``kind``: "window" or "plain") in a fresh process."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(length), kind],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return float(done.stdout.split()[-1])
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc peak RSS reset")
+def test_a_window_grows_the_heap_by_no_more_than_a_block_of_its_output():
+    n = 4096
+    plain, window = _growth(n, "plain"), _growth(n, "window")
+    output = 8 * n * 64 * 4 / 2**20  # (1, 8, L, 64) float32: 8 MiB, which both must hold
+    assert plain >= output * 0.99  # the measurement sees the output (a broken one would pass anything)
+    # beside the output: one block's kernel output (1, 8, 256, 64) = 0.5 MiB, its float mask and the mask's
+    # evaluation on one tile; out of place the join held five such blocks and grew 6-7 MiB more than plain
+    assert window - plain <= 2.0, (window, plain)

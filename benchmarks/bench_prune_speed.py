@@ -87,8 +87,8 @@ def main() -> None:
         with torch.no_grad():
             t = time_pair(partial(original, **x), partial(pruned, **x), settings=SETTINGS)
         timings.append({
-            "batch": batch, "tokens": length, "original_ms": t.first_s.median * 1e3,
-            "pruned_ms": t.second_s.median * 1e3, "speedup": t.speedup.median,
+            "batch": batch, "tokens": length, "original_ms": t.median_round[0] * 1e3,
+            "pruned_ms": t.median_round[1] * 1e3, "speedup": t.speedup.median,
             "speedup_iqr": [t.speedup.q1, t.speedup.q3], "rounds": t.speedup.n, "load": os.getloadavg()[0],
         })  # fmt: skip
         print(timings[-1], flush=True)

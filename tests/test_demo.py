@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from test_viz import PNG, check_offline_html
 
 from multihead import cli, heads
+from multihead.bench import pair
 from multihead.demo import data
 from multihead.demo import run as demo_run
 from multihead.demo.run import DemoConfig, build_model, exact_match, run
@@ -144,9 +145,9 @@ def _rate_and_ratio(row: list[str]) -> tuple[float, float]:
 def test_the_table_takes_rates_and_ratio_from_one_round(monkeypatch):
     ds = data.make_dataset(0, train=50, dev=10, test=10)
     monkeypatch.setattr(
-        demo_run,
+        pair,
         "interleaved",
-        lambda steps, device, settings, note: ({"full": list(FULL_S), "pruned": list(PRUNED_S)}, {}),
+        lambda steps, device, settings, note: ({"first": list(FULL_S), "second": list(PRUNED_S)}, {}),
     )
     full, small = demo_run.Row("full", 6, 100, 90.0, 90.0), demo_run.Row("pruned", 3, 80, 90.0, 90.0)
     note = demo_run.measure_speed(full, small, None, None, ds, tiny(), 8)  # type: ignore[arg-type]
@@ -163,9 +164,21 @@ def test_the_table_takes_rates_and_ratio_from_one_round(monkeypatch):
 @given(st.lists(st.tuples(st.floats(0.01, 10.0), st.floats(0.01, 10.0)), min_size=1, max_size=12))
 def test_speeds_agree_with_their_ratio_for_any_rounds(rounds):
     full_s, pruned_s = [f for f, _ in rounds], [p for _, p in rounds]
-    s = demo_run.speeds_of(100, full_s, pruned_s)
+    s = demo_run.speeds_of(100, pair.pair_timing(full_s, pruned_s))
     assert s.pruned / s.full == pytest.approx(s.speedup.median, rel=1e-12)
     assert s.speedup.q1 <= s.speedup.median <= s.speedup.q3
     assert s.speedup.n == len(rounds) - (1 - len(rounds) % 2)
     if abs(s.speedup.median - 1) > 1e-9:  # a tie may round either way
         assert (s.pruned > s.full) == (s.speedup.median > 1)
+
+
+def test_prune_reports_rates_from_the_median_round(monkeypatch):
+    """``multihead prune``'s report shows both models' rates beside the speed-up the same way (bench.pair)."""
+    from multihead.commands.prune import report
+
+    monkeypatch.setattr(report, "time_pair", lambda *a, **k: pair.pair_timing(FULL_S, PRUNED_S))
+    monkeypatch.setattr(report, "kv_bytes_per_token", lambda model, prompt: 0.0)
+    prompt = torch.zeros(1, 3, dtype=torch.long)
+    d = report.decode_speed(None, None, prompt, pair.PAIR_SETTINGS, False)  # type: ignore[arg-type]
+    assert d["pruned_tokens_per_s"] > d["original_tokens_per_s"] and d["speedup"] > 1
+    assert d["pruned_tokens_per_s"] / d["original_tokens_per_s"] == pytest.approx(d["speedup"], rel=1e-12)

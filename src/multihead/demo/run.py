@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -30,10 +30,9 @@ from torch import Tensor, nn
 
 from .. import checkpoint, heads, viz
 from .._extras import require
-from ..bench.contenders import Step
-from ..bench.measure import Settings, interleaved
-from ..bench.pair import machine
-from ..bench.stats import Spread, per_round_ratio
+from ..bench.measure import Settings
+from ..bench.pair import PairTiming, machine, time_pair
+from ..bench.stats import Spread
 from ..commands import training
 from ..commands.training import count_params, markdown_table, text_table
 from ..progress import Progress
@@ -89,11 +88,9 @@ def _head(split: Split, n: int) -> Split:
 class DecodeSpeeds(NamedTuple):
     """Both models' decoding speed, from the same interleaved rounds.
 
-    ``full`` and ``pruned``: sentences/s in the median round, the one whose time ratio full / pruned is the
-    median; ``speedup``: that ratio, with its interquartile range over the rounds. So ``pruned / full`` is
-    ``speedup.median``: a model shown faster never shows the smaller rate. (Each model's own median time can
-    come from a different round; on a loaded machine those two medians and the median ratio can disagree in
-    direction: 1,994 sentences/s against 2,741, and "1.15x" faster, in one row of a run.)
+    ``full`` and ``pruned``: sentences/s in the median round (:class:`multihead.bench.pair.PairTiming`'s
+    ``median_round``); ``speedup``: that round's ratio, the median, with its interquartile range over the
+    rounds. So ``pruned / full`` is ``speedup.median``: a model shown faster never shows the smaller rate.
     """
 
     full: float
@@ -101,18 +98,10 @@ class DecodeSpeeds(NamedTuple):
     speedup: Spread
 
 
-def speeds_of(sentences: int, full_s: Sequence[float], pruned_s: Sequence[float]) -> DecodeSpeeds:
-    """The table's figures from per-round seconds: in round i each model decoded ``sentences`` sentences, the
-    full one in ``full_s[i]``, the pruned one in ``pruned_s[i]``. An odd number of rounds is used (the last
-    one of an even count is left out), so that the median ratio is one round's."""
-    n = min(len(full_s), len(pruned_s))
-    if n == 0:
-        raise ValueError("speeds_of needs at least one round timed for both models, got none")
-    n -= 1 - n % 2  # odd
-    full_s, pruned_s = full_s[:n], pruned_s[:n]
-    ratios = [f / p for f, p in zip(full_s, pruned_s, strict=True)]
-    mid = sorted(range(n), key=ratios.__getitem__)[n // 2]  # the median round
-    return DecodeSpeeds(sentences / full_s[mid], sentences / pruned_s[mid], per_round_ratio(full_s, pruned_s))
+def speeds_of(sentences: int, timing: PairTiming) -> DecodeSpeeds:
+    """The table's figures from a timing in which each model decoded ``sentences`` sentences per round."""
+    full_s, pruned_s = timing.median_round
+    return DecodeSpeeds(sentences / full_s, sentences / pruned_s, timing.speedup)
 
 
 def decode_speeds(
@@ -120,20 +109,19 @@ def decode_speeds(
 ) -> DecodeSpeeds:
     """Greedy KV-cache decoding of ``split`` by both models, timed as the benchmarks time (interleaved rounds).
 
-    Each round decodes the same sentences with the full and the pruned model (in alternating order,
-    :func:`multihead.bench.measure.interleaved`), so machine load hits both alike; the figures are those of
-    the median round (:func:`speeds_of`). At least ``min_rounds`` rounds, more within about 8 s.
+    Each round decodes the same sentences with the full and then the pruned model, so machine load hits
+    both alike (:func:`multihead.bench.pair.time_pair`); the figures are those of the median round
+    (:func:`speeds_of`). At least ``min_rounds`` rounds, more within about 8 s.
     """
     settings = Settings(warmup=1, min_rounds=max(1, min_rounds), max_rounds=max(31, min_rounds), budget_s=8.0)
-    steps = {
-        "full": Step(lambda: _predict(full, split, max_len, batch=250)),
-        "pruned": Step(lambda: _predict(pruned, split, max_len, batch=250)),
-    }
-    with Progress(settings.max_rounds + settings.warmup, "time") as bar, torch.inference_mode():
-        times, errors = interleaved(steps, torch.device("cpu"), settings, lambda _: bar.update(1))
-    if errors:
-        raise RuntimeError("; ".join(f"{k}: {v}" for k, v in errors.items()))
-    return speeds_of(len(split), times["full"], times["pruned"])
+    with Progress(settings.max_rounds + settings.warmup, "time") as bar:
+        timing = time_pair(
+            lambda: _predict(full, split, max_len, batch=250),
+            lambda: _predict(pruned, split, max_len, batch=250),
+            settings=settings,
+            note=lambda _: bar.update(1),
+        )
+    return speeds_of(len(split), timing)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -23,8 +23,11 @@ pattern, take the explicit path (said once per module class). With no lens open 
 """
 
 from .attribution import Attribution, frozen_norm, logit_attribution
+from .attribution_patch import attribution_patch
 from .cache import Cache, cache
+from .edges import edge_attribution
 from .edit import ABLATIONS, Ablation, MeanAblation, ResampleAblation, ZeroAblation, ablate, hooks
+from .faithful import CorruptedEdges, EdgeAblation, MeanEdges, faithfulness
 from .graph import Graph, Node
 from .patch import TOKENS_PER_FORWARD, patch_heads
 from .sites import POINTS, Context, Handler, head_results, select
@@ -37,14 +40,20 @@ __all__ = [
     "Attribution",
     "Cache",
     "Context",
+    "CorruptedEdges",
+    "EdgeAblation",
     "Graph",
     "Handler",
     "MeanAblation",
+    "MeanEdges",
     "Node",
     "ResampleAblation",
     "ZeroAblation",
     "ablate",
+    "attribution_patch",
     "cache",
+    "edge_attribution",
+    "faithfulness",
     "frozen_norm",
     "head_results",
     "hooks",

@@ -92,6 +92,10 @@ class IOI(NamedTuple):
         """The ``i``-th pair alone (batch 1)."""
         return IOI(*(t[i : i + 1] for t in self))
 
+    def first(self, n: int) -> IOI:
+        """The first ``n`` pairs."""
+        return IOI(*(t[:n] for t in self))
+
     def __len__(self) -> int:  # type: ignore[override]
         return self.clean.shape[0]
 

@@ -418,27 +418,42 @@ def scale() -> dict:
     return out
 
 
-def load(folder: str, random_folder: str) -> dict:
-    """Every model the run uses: ours and TransformerLens's, float32 and float64, on both checkpoints."""
-    return {
-        "smollm2": {
-            "ours": ours_model(folder),
-            "ours64": ours_model(folder, torch.float64),
-            "tl": peer.boot(folder),
-            "tl64": peer.boot(folder, torch.float64),
-        },
-        "random": {
-            "ours": ours_model(random_folder),
-            "ours64": ours_model(random_folder, torch.float64),
-            "tl": peer.boot(random_folder),
-            "tl64": peer.boot(random_folder, torch.float64),
-        },
-    }
+class Lazy(dict):
+    """Models made on first use (a part run alone loads only what it needs)."""
+
+    def __init__(self, makers: dict[str, Callable[[], torch.nn.Module]]) -> None:
+        super().__init__()
+        self.makers = makers
+
+    def __missing__(self, key: str) -> torch.nn.Module:
+        self[key] = made = self.makers[key]()
+        return made
 
 
-def measure(quick: bool, n: int, resume: bool = False) -> dict:
-    """Every part, in order, the record kept in :data:`PARTIAL` as it grows (``resume``: the parts it holds
-    are kept, the others measured)."""
+def load(folder: str, random_folder: str) -> dict[str, Lazy]:
+    """Every model the run uses: ours and TransformerLens's, float32 and float64, on both checkpoints; and ours
+    in float64 with exact norms (for finite differences)."""
+
+    def four(where: str) -> Lazy:
+        return Lazy(
+            {
+                "ours": lambda: ours_model(where),
+                "ours64": lambda: ours_model(where, torch.float64),
+                "tl": lambda: peer.boot(where),
+                "tl64": lambda: peer.boot(where, torch.float64),
+                "exact64": lambda: circuits_fd.exact_norms(ours_model(where, torch.float64)),
+            }
+        )
+
+    return {"smollm2": four(folder), "random": four(random_folder)}
+
+
+PARTS = ("equal_smollm2", "equal_random_llama", "gqa", "speed_node", "speed_edges", "scale")
+
+
+def measure(quick: bool, n: int, parts: tuple[str, ...], partial: Path) -> dict:
+    """The ``parts`` asked, in order, the record kept in ``partial`` as it grows (the parts it already holds are
+    kept, not measured again)."""
     import transformers as T
 
     torch.set_num_threads(1)
@@ -447,26 +462,27 @@ def measure(quick: bool, n: int, resume: bool = False) -> dict:
     work = Path(tempfile.mkdtemp(prefix="circuits_random_llama_"))
     models = load(folder, str(peer.save_random_llama(work, folder)))
     smol, rand = models["smollm2"], models["random"]
-    exact = circuits_fd.exact_norms(ours_model(folder, torch.float64))
-    r: dict = json.loads(PARTIAL.read_text()) if resume and PARTIAL.exists() else {"meta": meta(torch)}
-    parts: dict[str, Callable[[], object]] = {
+    r: dict = json.loads(partial.read_text()) if partial.exists() else {}
+    r["meta"] = meta(torch)
+    steps: dict[str, Callable[[], object]] = {
         "equal_smollm2": lambda: equal_smollm2(smol, data.first(EQUAL_PAIRS)),
         "equal_random_llama": lambda: equal_random_llama(rand, data, 1 if quick else 2),
         "gqa": lambda: {
             "tl_edges_smollm2": peer.refusal(smol["tl"], data),
             "tl_ig_steps": peer.ig_refusal(),
-            "reader_columns": reader_columns(exact, data.first(EQUAL_PAIRS)),
+            "reader_columns": reader_columns(smol["exact64"], data.first(EQUAL_PAIRS)),
         },
         "speed_node": lambda: speed_node(smol["ours"], smol["tl"], data, n),
         "speed_edges": lambda: speed_edges(rand["ours"], rand["tl"], smol["ours"], data, n),
         "scale": scale,
     }
-    for key, part in parts.items():
+    for key in parts:
         if key in r:
             continue
-        r[key] = part()
-        PARTIAL.write_text(json.dumps(r, indent=1, default=str))
+        r[key] = steps[key]()
+        partial.write_text(json.dumps(r, indent=1, default=str))
     r["meta"] = meta(torch)  # the load average at the end
+    partial.write_text(json.dumps(r, indent=1, default=str))
     return r
 
 
@@ -479,8 +495,12 @@ def main() -> int:
     parser.add_argument(
         "--report", metavar="JSON", help="write the markdown and chart of a record, measure nothing"
     )
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"which parts, comma-separated: {PARTS}")
     parser.add_argument(
-        "--resume", action="store_true", help=f"keep the parts {PARTIAL} holds, measure the rest"
+        "--partial", default=str(PARTIAL), help="the record as it grows (parts it holds are kept)"
+    )
+    parser.add_argument(
+        "--merge", nargs="+", metavar="JSON", help="merge partial records and write the results"
     )
     parser.add_argument("--scale-worker", choices=("node", "edges"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -488,9 +508,28 @@ def main() -> int:
         return scale_worker(args.scale_worker)
     if args.report:
         return write(json.loads(Path(args.report).read_text()), Path(args.report).parent)
-    r = measure(args.quick, 1 if args.quick else args.rounds, args.resume)
+    if args.merge:
+        return write(merged(args.merge), RESULTS)
+    parts = tuple(args.parts.split(","))
+    r = measure(args.quick, 1 if args.quick else args.rounds, parts, Path(args.partial))
+    if set(parts) != set(PARTS):  # one part of a run side by side: merged later (--merge)
+        return 0
     print(markdown(r))
     return 0 if args.quick else write(r, RESULTS)
+
+
+def merged(paths: list[str]) -> dict:
+    """Partial records of parts run side by side (separate processes) as one; ``meta`` keeps each part's
+    load average at its end."""
+    r: dict = {"meta_by_part": {}}
+    for path in paths:
+        part = json.loads(Path(path).read_text())
+        for key, value in part.items():
+            if key != "meta":
+                r[key] = value
+                r["meta_by_part"][key] = part["meta"]
+        r["meta"] = part["meta"]
+    return r
 
 
 def write(r: dict, folder: Path) -> int:

@@ -122,6 +122,32 @@ def exact_edges(
     return rows
 
 
+def parse(node: str) -> Node:
+    """A node from its printed form: ``"model.layers.16.self_attn:head0"`` -> Node(name, "head", 0)."""
+    name, rest = node.rsplit(":", 1)
+    kind = rest.rstrip("0123456789")
+    return Node(name, kind, int(rest[len(kind) :]) if rest != kind else None)
+
+
+def noising(r: dict) -> None:
+    """Each edge of ``r["exact_edges"]`` also patched the other way (noising): the clean run with that reader
+    alone fed the writer's corrupted output; ``"noised"`` = metric(noised) - metric(clean), what the clean
+    behaviour loses without that edge. Denoising one input of an AND (a head that needs both its key and its
+    value) restores little; noising it removes much."""
+    import transformers as T
+
+    torch.set_num_threads(1)
+    folder = str(smollm2_dir())
+    bos = T.AutoTokenizer.from_pretrained(folder).bos_token_id
+    model = _model(folder)
+    clean, corrupted, metric = data(r["meta"]["batch"], 0, bos)
+    for e in r["exact_edges"]:
+        e["noised"] = circuits_fd.path_patch(
+            model, corrupted, clean, metric, parse(e["writer"]), parse(e["reader"])
+        )
+        print(f"noising {e['writer']} -> {e['reader']}: {e['noised']:+.3f}", flush=True)
+
+
 def faithfulness_curve(
     model: torch.nn.Module, clean: dict, corrupted: dict, metric: object, graph: lens.Graph
 ) -> list:
@@ -269,10 +295,14 @@ def markdown(r: dict) -> str:
     lines += [
         "## Each edge patched alone (path patching) against its score (ig_steps=5)",
         "",
-        "| edge | score | exact effect |",
-        "| --- | --- | --- |",
+        "Denoising: the corrupted run with that one reader fed the writer's clean output (what the score estimates); "
+        "noising: the clean run with that one reader fed the writer's corrupted output (metric change).",
+        "",
+        "| edge | score | denoising (exact) | noising (exact) |",
+        "| --- | --- | --- | --- |",
         *(
-            f"| {e['writer']} -> {e['reader']} | {e['score']:+.3f} | {e['path_patched']:+.3f} |"
+            f"| {e['writer']} -> {e['reader']} | {e['score']:+.3f} | {e['path_patched']:+.3f} | "
+            + (f"{e['noised']:+.3f} |" if "noised" in e else "- |")
             for e in r["exact_edges"]
         ),
         "",
@@ -348,6 +378,11 @@ def main() -> int:
     quick = "--quick" in sys.argv  # a smoke run: small everything, nothing written
     if quick:
         BATCH, PATCH_BATCH, SHORT, TOP, PATCHED, PER_POSITION_LAYERS = 1, 1, 3, 2, (10,), (17,)
+    if "--noising" in sys.argv:  # add the noising direction to the committed record's edges
+        r = json.loads((RESULTS / "circuits_induction.json").read_text())
+        noising(r)
+        (RESULTS / "circuits_induction.json").write_text(json.dumps(r, indent=1) + "\n")
+        sys.argv.append("--report")
     if "--report" in sys.argv:  # draw the committed record again, measure nothing
         r = json.loads((RESULTS / "circuits_induction.json").read_text())
         (RESULTS / "circuits_induction.md").write_text(markdown(r))

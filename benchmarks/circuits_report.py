@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -51,27 +52,38 @@ def _spread(s: dict) -> str:
     return f"{s['median']:.3g} ({s['q1']:.3g}-{s['q3']:.3g})"
 
 
+_OK = {True: "met", False: "NOT met"}
+
+
 def _speed_lines(r: dict) -> list[str]:
-    node, edges = r["speed_node"], r["speed_edges"]
+    node, edges = r.get("speed_node"), r.get("speed_edges")
     lines = ["| task | CPU seconds, median (IQR) |", "| --- | --- |"]
-    for part in (node, edges):
+    for part in (p for p in (node, edges) if p):
         lines += [f"| {k} | {_spread(s)} |" for k, s in part["cpu_seconds"].items()]
-    ok = {True: "met", False: "NOT met"}
-    lines += [
-        "",
-        f"- Node attribution per head and position, {node['pairs']} pairs x {node['tokens']} tokens of SmolLM2: "
-        f"**{_spread(node['ratio'])}x** TransformerLens's time (target <= {node['target']}: {ok[node['met']]}); "
-        f"with `logits_to_keep=1` (the metric reads the last position): {_spread(node['ratio_logits_to_keep_1'])}x; "
-        f"ours = {_spread(node['plain_runs'])} plain runs.",
-        f"- Edges on the random Llama: **{_spread(edges['ratio'])}x** TransformerLens's time "
-        f"(target <= {edges['target']}: {ok[edges['met']]}); on SmolLM2 an edge attribution costs "
-        f"{_spread(edges['smollm2_plain_runs'])} plain runs.",
-        f"- Integrated gradients, ig_steps=5: node attribution {_spread(node['ig_over_steps_plain_runs'])}x the "
-        f"time of 5 plain runs ({ok[node['ig_met']]}), {_spread(node['ig_over_steps_ig1'])}x 5 plain attributions; "
-        f"edges {_spread(edges['ig_over_steps_plain_runs'])}x 5 plain runs ({ok[edges['ig_met']]}), "
-        f"{_spread(edges['ig_over_steps_ig1'])}x 5 plain edge attributions. TransformerLens: "
-        f"`{r['gqa']['tl_ig_steps'][:90]}...`",
-    ]
+    lines.append("")
+    if node:
+        lines += [
+            f"- Node attribution per head and position, {node['pairs']} pairs x {node['tokens']} tokens of "
+            f"SmolLM2: **{_spread(node['ratio'])}x** TransformerLens's time (target <= {node['target']}: "
+            f"{_OK[node['met']]}); with `logits_to_keep=1` (the metric reads the last position): "
+            f"{_spread(node['ratio_logits_to_keep_1'])}x; ours = {_spread(node['plain_runs'])} plain runs.",
+            f"- Integrated gradients, ig_steps=5, node attribution: {_spread(node['ig_over_steps_plain_runs'])}x "
+            f"the time of 5 plain runs ({_OK[node['ig_met']]}), {_spread(node['ig_over_steps_ig1'])}x 5 plain "
+            "attributions.",
+        ]
+    if edges:
+        lines += [
+            f"- Edges on the random Llama: **{_spread(edges['ratio'])}x** TransformerLens's time "
+            f"(target <= {edges['target']}: {_OK[edges['met']]})."
+        ]
+        if "ig_over_steps_plain_runs" in edges:
+            lines.append(
+                f"- On SmolLM2 an edge attribution costs {_spread(edges['smollm2_plain_runs'])} plain runs; with "
+                f"ig_steps=5 {_spread(edges['ig_over_steps_plain_runs'])}x 5 plain runs ({_OK[edges['ig_met']]}), "
+                f"{_spread(edges['ig_over_steps_ig1'])}x 5 plain edge attributions."
+            )
+    if "gqa" in r:
+        lines.append(f"- TransformerLens with ig_steps=5: `{r['gqa']['tl_ig_steps']}`")
     return lines
 
 
@@ -120,36 +132,55 @@ def _scale_lines(s: dict) -> list[str]:
     return lines
 
 
+MISSING = "Not measured in this run: the part did not finish before the deadline on the shared machine."
+
+
+def _section(r: dict, keys: tuple[str, ...], lines: Callable[[], list[str]]) -> list[str]:
+    return lines() if all(k in r for k in keys) else [MISSING]
+
+
 def markdown(r: dict) -> str:
-    """The record as a page."""
-    m, rl = r["meta"], r["equal_random_llama"]
+    """The record as a page (a part missing from the record is said to be missing)."""
+    m = r["meta"]
+    rl = r.get("equal_random_llama", {})
+    by_part = r.get("meta_by_part", {})
     lines = [
         "# multihead.lens circuits against TransformerLens 4.3 (`benchmarks/bench_circuits.py`)",
         "",
-        f"{m['when']}, {m['cpu_words']} ({m['machine']}), {m['threads']} torch thread, load average at the end "
-        f"{m['load_average']}; torch {m['torch']}, transformers {m['transformers']}, transformer-lens "
-        f"{m['transformer_lens']}. Times are process CPU seconds, contenders interleaved in balanced orders "
-        "(the machine is shared with other jobs). 8 IOI-style pairs, metric the logit difference per pair.",
+        f"{m['when']}, {m['cpu_words']} ({m['machine']}), {m['threads']} torch thread; torch {m['torch']}, "
+        f"transformers {m['transformers']}, transformer-lens {m['transformer_lens']}. Times are process CPU "
+        "seconds, contenders interleaved in balanced orders (the machine is shared with other jobs: load averages "
+        "at the end of each part: "
+        + ", ".join(f"{k} {v['load_average']}" for k, v in by_part.items())
+        + "). 8 IOI-style pairs (4 in the float64 equality checks), metric the logit difference per pair.",
         "",
         "## Equal within float32 error",
         "",
-        *_equal_lines(r["equal_smollm2"] + rl["rows"]),
+        *_section(
+            r, ("equal_smollm2", "equal_random_llama"), lambda: _equal_lines(r["equal_smollm2"] + rl["rows"])
+        ),
         "",
-        f"Random Llama: {rl['edges']} edges; TransformerLens edges outside our graph: {rl['tl_edges_outside_our_graph']}; "
-        f"a head's row sum against its node effect: {_e(rl['row_sum_identity'])} (largest row "
-        f"{rl['row_sum_largest']:.3g}).",
+        *_section(
+            r,
+            ("equal_random_llama",),
+            lambda: [
+                f"Random Llama: {rl['edges']} edges; TransformerLens edges outside our graph: "
+                f"{rl['tl_edges_outside_our_graph']}; a head's row sum against its node effect: "
+                f"{_e(rl['row_sum_identity'])} (largest row {rl['row_sum_largest']:.3g})."
+            ],
+        ),
         "",
         "## Where TransformerLens refuses",
         "",
-        *_gqa_lines(r["gqa"]),
+        *_section(r, ("gqa",), lambda: _gqa_lines(r["gqa"])),
         "",
         "## Speed",
         "",
-        *_speed_lines(r),
+        *(_speed_lines(r) if "speed_node" in r or "speed_edges" in r else [MISSING]),
         "",
         "## Scale",
         "",
-        *_scale_lines(r["scale"]),
+        *_section(r, ("scale",), lambda: _scale_lines(r["scale"])),
     ]
     return "\n".join(lines) + "\n"
 
@@ -161,16 +192,21 @@ def chart(r: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    node, edges, s = r["speed_node"], r["speed_edges"], r["scale"]
-    bars = [
-        ("node vs TL", node["ratio"]["median"], node["target"]),
-        ("edges vs TL", edges["ratio"]["median"], edges["target"]),
-        ("node IG5 / 5 plain", node["ig_over_steps_plain_runs"]["median"], 1.0),
-        ("edges IG5 / 5 plain", edges["ig_over_steps_plain_runs"]["median"], 1.0),
-    ]
+    node, edges, s = r.get("speed_node"), r.get("speed_edges"), r.get("scale", {})
+    bars = []
+    if node:
+        bars += [
+            ("node vs TL", node["ratio"]["median"], node["target"]),
+            ("node IG5 / 5 plain", node["ig_over_steps_plain_runs"]["median"], 1.0),
+        ]
+    if edges:
+        bars += [
+            ("edges vs TL", edges["ratio"]["median"], edges["target"]),
+            ("edges IG5 / 5 plain", edges["ig_over_steps_plain_runs"]["median"], 1.0),
+        ]
     bars += [
         (f"{t} 1k tokens / {x['target_s']:.0f} s", x["cpu"] / x["target_s"], 1.0)
-        for t, x in ((t, s[t]) for t in ("node", "edges"))
+        for t, x in ((t, s.get(t, {})) for t in ("node", "edges"))
         if "cpu" in x and "aborted" not in x
     ]
     fig, ax = plt.subplots(figsize=(8, 3.6))

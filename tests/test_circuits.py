@@ -153,7 +153,7 @@ def test_attribution_patch_approaches_patching_for_small_differences(point):
             2, 5, 16, dtype=F64, generator=torch.Generator().manual_seed(2)
         )
         kw = dict(point=point, per_position=True)
-        base = float(metric(stack(corrupted)).mean())
+        base = float(metric(stack(corrupted)).detach().mean())
         want = lens.patch_heads(stack, clean, corrupted, metric, **kw).double() - base
         got = lens.attribution_patch(stack, clean, corrupted, metric, **kw).double() - base
         assert got.shape == want.shape
@@ -193,6 +193,18 @@ def test_attribution_patch_refuses_bad_arguments():
     with pytest.raises(ValueError, match="metric must return"):
         lens.attribution_patch(m, clean, corrupted, lambda out: out[:, -1])
 
+    class OneHot(nn.Module):  # token ids in, no embedding module: no input embeddings to move
+        def __init__(self):
+            super().__init__()
+            self.table = nn.Parameter(torch.randn(V, 16, dtype=F64))
+            self.attn = _mha()
+
+        def forward(self, ids):
+            return self.attn(nn.functional.one_hot(ids, V).to(F64) @ self.table)
+
+    with pytest.raises(ValueError, match="no input embedding module"):
+        lens.attribution_patch(OneHot(), clean, corrupted, lambda out: out[:, -1, 0], ig_steps=2)
+
 
 def test_integrated_gradients_on_token_inputs_average_the_gradients_along_the_embedding_path():
     m = TinyLM()
@@ -212,7 +224,7 @@ def test_integrated_gradients_on_token_inputs_average_the_gradients_along_the_em
             value.backward()
         handle.remove()
         if alpha == 0.0:
-            base, z_corrupted = float(value), {n: g[n, "z"] for n in names}
+            base, z_corrupted = float(value.detach()), {n: g[n, "z"] for n in names}
         grads.append({n: g.grad(n, "z") for n in names})
     want = torch.stack(
         [((c[n, "z"] - z_corrupted[n]) * (grads[0][n] + grads[1][n]) / 2).sum((0, 3)) for n in names]
@@ -245,7 +257,11 @@ def test_attribution_patch_on_an_encoder_decoder_transformer_equals_the_cached_g
         [((c[n, "result"] - g[n, "result"]) * g.grad(n, "result")).sum((0, 2, 3)) for n in names]
     )
     assert got.shape == (3, 4)
-    torch.testing.assert_close(got, float(value) + want)
+    torch.testing.assert_close(got, float(value.detach()) + want)
+    with pytest.raises(
+        ValueError, match="several attention modules"
+    ):  # the cross-attention reads the encoder
+        lens.edge_attribution(seq, clean, corrupted, _logit_diff)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -284,6 +300,11 @@ def test_graph_nodes_and_upstream_follow_the_stack(tiny):
     assert [abs(s) for _, _, s in top] == sorted((abs(s) for _, _, s in top), reverse=True)
     assert abs(top[0][2]) == float(g.scores.abs().max())
     assert repr(g).startswith("Graph(11 writers, 19 readers")
+    part = lens.edge_attribution(m, clean, corrupted, _logit_diff, modules=[a1])  # layer 1's nodes only
+    rows = [0, *range(6, 11)]
+    cols = [*range(9, 19)]
+    assert part.writers == [g.writers[i] for i in rows] and part.readers == [g.readers[j] for j in cols]
+    torch.testing.assert_close(part.scores, g.scores[rows][:, cols])
 
 
 @pytest.mark.parametrize("ig_steps", [1, 3])
@@ -292,7 +313,7 @@ def test_a_writers_row_sums_to_its_node_effect(tiny, ig_steps):
     if ig_steps > 1:
         g = lens.edge_attribution(m, clean, corrupted, _logit_diff, ig_steps=ig_steps)
     node = lens.attribution_patch(m, clean, corrupted, _logit_diff, ig_steps=ig_steps)
-    base = float(_logit_diff(m(corrupted)).mean())
+    base = float(_logit_diff(m(corrupted)).detach().mean())
     rows = g.node_effects()
     heads = torch.stack([rows[1:5], rows[6:10]])  # (layers, heads)
     torch.testing.assert_close(heads, node - base)
@@ -312,7 +333,7 @@ def test_faithfulness_all_edges_is_one_and_none_is_zero(tiny):
 
 
 def _fraction(m, clean, corrupted, value):
-    low, high = float(_logit_diff(m(corrupted)).mean()), float(_logit_diff(m(clean)).mean())
+    low, high = (float(_logit_diff(m(x)).detach().mean()) for x in (corrupted, clean))
     return (value - low) / (high - low)
 
 

@@ -3,6 +3,16 @@ configs in float64: a Llama with grouped-query attention (4 heads, 2 key/value h
 projections, learned positions added before the first layer), and the refusals: BERT (post-norm) and GPT-NeoX
 (parallel attention and MLP).
 
+The survey (test_every_family_gives_edges_or_a_named_refusal): node attribution serves every family; edges:
+
+| family | edges |
+| --- | --- |
+| Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma, SmolLM3, Starcoder2, GPT-OSS, OLMo, GPT-2, GPT-NeoX sequential | yes |
+| BERT, CamemBERT | refused: post-norm |
+| OLMo 2 | refused: post-norm (a norm on each sublayer's output) |
+| Gemma 2 | refused: a norm on the attention's output before the residual sum |
+| GPT-NeoX (parallel residual), Phi | refused: parallel block |
+
 Expected values: patching made by hand on the model's own modules, autograd, and finite differences of the
 metric along the clean - corrupted stream fed to one reader alone (where TransformerLens refuses: GQA edges).
 """
@@ -30,7 +40,9 @@ def _model(config_class, auto=None, **overrides):
     auto = auto or T.AutoModelForCausalLM
     model = auto.from_config(config, attn_implementation=NAME).double().eval()
     for norm in model.modules():
-        if type(norm).__name__ == "LlamaRMSNorm":  # it computes in float32 whatever its input: here in float64
+        if (
+            type(norm).__name__ == "LlamaRMSNorm"
+        ):  # it computes in float32 whatever its input: here in float64
             norm.forward = _rms_norm_in_float64.__get__(norm)
     with torch.no_grad():
         for p in model.parameters():
@@ -176,3 +188,48 @@ def test_post_norm_and_parallel_blocks_are_refused_by_name_node_attribution_stil
     neox = _model(T.GPTNeoXConfig, use_parallel_residual=True)
     with pytest.raises(ValueError, match="parallel block"):
         lens.edge_attribution(neox, clean, corrupted, _logit_diff)
+
+
+SURVEY = {
+    "llama": (T.LlamaConfig, {}, None),
+    "mistral": (T.MistralConfig, {}, None),
+    "qwen2": (T.Qwen2Config, {}, None),
+    "qwen3": (T.Qwen3Config, {}, None),
+    "phi3": (T.Phi3Config, {}, None),
+    "gemma": (T.GemmaConfig, {}, None),
+    "smollm3": (T.SmolLM3Config, {}, None),
+    "starcoder2": (T.Starcoder2Config, {}, None),
+    "gpt_oss": (T.GptOssConfig, {}, None),
+    "olmo": (T.OlmoConfig, {}, None),
+    "gpt_neox sequential": (T.GPTNeoXConfig, dict(use_parallel_residual=False), None),
+    "camembert": (T.CamembertConfig, {}, "post-norm"),
+    "olmo2": (T.Olmo2Config, {}, "post-norm"),
+    "gemma2": (T.Gemma2Config, dict(final_logit_softcapping=None), "norm on the attention's output"),
+    "phi": (T.PhiConfig, {}, "parallel block"),
+}
+
+
+@pytest.mark.parametrize("family", list(SURVEY))
+def test_every_family_gives_edges_or_a_named_refusal(family):
+    config_class, overrides, refusal = SURVEY[family]
+    encoder = config_class is T.CamembertConfig
+    m = _model(config_class, auto=T.AutoModel if encoder else None, **overrides)
+    if hasattr(m.config, "_experts_implementation"):
+        m.config._experts_implementation = "eager"
+
+    def metric(out):
+        return out.last_hidden_state[:, 0, :3].sum(-1) if encoder else _logit_diff(out)
+
+    clean, corrupted = {"input_ids": _ids(7)}, {"input_ids": _ids(8)}
+    node = lens.attribution_patch(m, clean, corrupted, metric)
+    if refusal is not None:
+        with pytest.raises(ValueError, match=refusal):
+            lens.edge_attribution(m, clean, corrupted, metric)
+        return
+    g = lens.edge_attribution(m, clean, corrupted, metric)
+    with torch.no_grad():
+        base = float(metric(m(**corrupted)).mean())
+    heads = [i for i, w in enumerate(g.writers) if w.kind == "head"]
+    torch.testing.assert_close(g.node_effects()[heads].view(node.shape), node - base)
+    assert lens.faithfulness(m, g, clean, corrupted, metric) == pytest.approx(1.0, abs=1e-9)
+    assert lens.faithfulness(m, [], clean, corrupted, metric) == pytest.approx(0.0, abs=1e-9)

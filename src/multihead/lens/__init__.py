@@ -1,5 +1,6 @@
-"""Every head's internals, in any model whose attention goes through the seam: cache, hooks, ablation, patching
-and logit attribution (guide: docs/lens.md).
+"""Every head's internals, in any model whose attention goes through the seam: cache (with gradients), hooks,
+ablation, patching, logit attribution, and circuits: attribution patching, edge attribution of the residual
+stream and faithfulness (guides: docs/lens.md, docs/circuits.md).
 
 Dimensions: B batch, H query heads, Hkv key/value heads, Lq/Lk lengths, Dk/Dv head dims, O the output
 projection's width (E for a self-attention block), N modules.

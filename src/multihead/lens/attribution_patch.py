@@ -48,7 +48,7 @@ def attribution_patch(
             key/value head), result, pattern and scores (per query position: summed over the keys).
         ig_steps: m; the gradient averaged over m runs whose input embeddings are
             ``corrupted + k/m * (clean - corrupted)``, k = 0..m-1 (1: plain attribution patching).
-        progress: a progress bar on stderr (default: when ig_steps >= 8).
+        progress: a progress bar on stderr, a step per ig step (default: when ig_steps >= 8).
 
     Returns:
         effects (N, H) or (N, H, P): ``metric(corrupted) + sum((a_clean - a_corrupted) * g)`` for every head

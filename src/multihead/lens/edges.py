@@ -31,7 +31,7 @@ from ..heads.naming import attention_modules
 from ..progress import Progress
 from .attribution_patch import Runs, _recording, metric_mean
 from .graph import Graph
-from .patch import _check_alike
+from .patch import TOKENS_PER_FORWARD, _check_alike, _length
 from .path import Path, check_steps, steps
 from .readers import Layout, Record, gradient_run, head_gradients, layout
 from .sites import ModuleSelection, select
@@ -58,7 +58,8 @@ def edge_attribution(
             (alpha = k/m, k = 0..m-1), as in :func:`~multihead.lens.attribution_patch`.
         modules: the attention modules whose layers' nodes (heads, q/k/v heads, MLP) are kept in the graph
             (default: all); embed and logits are always kept.
-        progress: a progress bar on stderr (default: when ig_steps >= 8).
+        progress: a progress bar on stderr, a step per layer (default: when ig_steps >= 8 or the batch holds
+            :data:`~multihead.lens.TOKENS_PER_FORWARD` tokens or more).
 
     Returns:
         :class:`~multihead.lens.Graph`: writers (embed, each head, each MLP), readers (each q head, each k and v
@@ -72,13 +73,14 @@ def edge_attribution(
         stream, clean_blocks, out = find_stream(model, clean, attention_modules(model))
     nodes = layout(stream)
     clean_value = float(metric_mean(metric(out), batch))
+    del out  # the logits of a language model at length: large
     runs = Runs(model, {}, path, corrupted, metric, batch)
     state = _State(nodes, clean_blocks, m)
-    show = m >= 8 if progress is None else progress
-    with Progress(m, "edges", enabled=show) as bar:
+    long = m >= 8 or batch * _length(corrupted) >= TOKENS_PER_FORWARD
+    show = long if progress is None else progress
+    with Progress(m * (len(stream.layers) + 1), "edges", enabled=show) as bar:
         for alpha in steps(m):
-            _step(runs, stream, state, alpha)
-            bar.update(1)
+            _step(runs, stream, state, alpha, bar)
     return _graph(state, names, clean_value, state.base)
 
 
@@ -88,19 +90,28 @@ class _State:
     set from the first step's run), and where each reader column's upstream writers end."""
 
     nodes: Layout
-    clean: list[Tensor]
+    clean: list[Tensor | None]
     steps: int
     scores: Tensor | None = None
     deltas: list[Tensor] | None = None
     upto: dict[int, int] | None = None
     base: float = 0.0
 
+    def take(self, index: int, corrupted: Tensor) -> None:
+        """The sink of the first (corrupted) run: writer block ``index``'s delta formed as soon as its corrupted
+        output comes, the clean output then dropped (so the two runs' outputs are never all held at once)."""
+        clean, self.clean[index] = self.clean[index], None
+        assert clean is not None
+        if self.deltas is None:
+            self.deltas = []
+        self.deltas.append((clean - corrupted).flatten(1))
+
     def start(self, seen: Record, value: Tensor) -> None:
-        """From the first (corrupted) run: its metric, the writers' deltas, the scores, each reader's upstream."""
+        """After the first run: its metric, the scores, each reader's upstream rows."""
+        assert self.deltas is not None and len(self.deltas) == len(seen.starts)
         self.base = float(value.detach())
-        self.deltas = [(c - k).flatten(1) for c, k in zip(self.clean, seen.blocks)]
-        self.clean = []  # the deltas replace them
-        w, r = sum(d.shape[0] for d in self.deltas), len(self.nodes.readers)
+        self.clean = []
+        w, r = seen.rows, len(self.nodes.readers)
         self.scores = torch.zeros(w, r, dtype=self.deltas[0].dtype, device=self.deltas[0].device)
         self.upto = dict(seen.upto)
 
@@ -115,7 +126,7 @@ class _State:
             self.scores[start : start + delta.shape[0], cols] += part / self.steps
 
 
-def _step(runs: Runs, stream: Stream, state: _State, alpha: float) -> None:
+def _step(runs: Runs, stream: Stream, state: _State, alpha: float, bar: Progress) -> None:
     """One forward and backward at ``alpha`` on the path; its gradients contracted into ``state.scores``."""
     starts: list[int] = []
 
@@ -126,13 +137,17 @@ def _step(runs: Runs, stream: Stream, state: _State, alpha: float) -> None:
 
     first = alpha == 0.0
     with _recording(runs.path if first else None, "corrupted"):
-        with gradient_run(runs.model, stream, state.nodes, read) as (seen, taps):
+        with gradient_run(runs.model, stream, state.nodes, read, state.take if first else None) as (
+            seen,
+            taps,
+        ):
             value = runs.value_at(alpha)
     if first:
         state.start(seen, value)
     starts[:] = seen.starts
     assert seen.leaf is not None
     torch.autograd.grad(value, seen.leaf, retain_graph=True)  # MLP and logits readers contract on the way
+    bar.update(1)
     for i, tap in enumerate(taps):
         cols = state.nodes.attention_cols[i]
         upto = seen.upto[cols.start]
@@ -142,6 +157,11 @@ def _step(runs: Runs, stream: Stream, state: _State, alpha: float) -> None:
             state.contract(slice(offset, offset + grads.shape[0]), upto, grads, starts)
             offset += grads.shape[0]
         tap.points.clear(), tap.grads.clear()  # this layer's graph and gradients can go
+        bar.update(1)
+
+
+def _drop(index: int, block: Tensor) -> None:
+    """The sink of the later steps: their writers' outputs are not needed."""
 
 
 def _graph(state: _State, names: list[str], clean: float, corrupted: float) -> Graph:

@@ -25,7 +25,7 @@ the attention on copies. Each is contracted with the writers' deltas at once and
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,32 +82,31 @@ the stream ``x`` (B, L, E) they read and the writers recorded so far (rows ``:up
 class Record:
     """What a reader-split run saw: each writer block's value on this run (``blocks``: (n, B, L, E) each, in row
     order, detached), where each block starts, the leaf the stream starts from (with ``leaf=True``), and the
-    writer rows upstream of each reader column (``upto``)."""
+    writer rows upstream of each reader column (``upto``). With a ``sink``, each block is handed to it as it
+    comes (``sink(index, block)``) instead of being kept."""
 
     blocks: list[Tensor] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
     leaf: Tensor | None = None
     upto: dict[int, int] = field(default_factory=dict)
-
-    @property
-    def rows(self) -> int:
-        """Writer rows recorded so far."""
-        return self.starts[-1] + self.blocks[-1].shape[0] if self.blocks else 0
+    sink: Callable[[int, Tensor], None] | None = None
+    rows: int = 0
 
     def add(self, block: Tensor) -> None:
         self.starts.append(self.rows)
-        self.blocks.append(block.detach())
+        self.rows += block.shape[0]
+        if self.sink is None:
+            self.blocks.append(block.detach())
+        else:
+            self.sink(len(self.starts) - 1, block.detach())
 
 
 @contextmanager
-def reader_run(
-    model: nn.Module, stream: Stream, nodes: Layout, read: Read | None, *, leaf: bool = False
-) -> Iterator[Record]:
+def reader_run(model: nn.Module, stream: Stream, nodes: Layout, read: Read | None) -> Iterator[Record]:
     """While the block runs, every writer's value is recorded and (``read`` given) every reader reads the
-    copy ``read`` gives it. ``leaf``: the stream entering the first layer is made a leaf needing grad (the
-    whole backward of the readers reaches it)."""
+    copy ``read`` gives it (the reader-split forward: see the module docstring)."""
     record = Record()
-    hooks = [(stream.layers[0].module, "pre_kw", _entry(record, leaf))]
+    hooks = [(stream.layers[0].module, "pre_kw", _entry(record, False))]
     sites: dict[str, dict[str, Callable[..., Any]]] = {}
     for i, layer in enumerate(stream.layers):
         sites[layer.attention] = {"result": _results(record, read is not None, layer)}
@@ -116,19 +115,12 @@ def reader_run(
             cols = nodes.attention_cols[i]
             hooks += _split(layer, cols, read, record)
             sites[layer.attention].update(_assembly(layer))
-            hooks.append(
-                (
-                    layer.mlp_norm,
-                    "pre",
-                    _reading(slice(nodes.mlp_cols[i], nodes.mlp_cols[i] + 1), read, record),
-                )
-            )
+            mlp = slice(nodes.mlp_cols[i], nodes.mlp_cols[i] + 1)
+            hooks.append((layer.mlp_norm, "pre", _reading(mlp, read, record)))
     if read is not None:
         logits = slice(len(nodes.readers) - 1, len(nodes.readers))
         hooks.append(_final(stream, _reading(logits, read, record)))
-    with ExitStack() as stack:
-        stack.enter_context(hooked(hooks))
-        stack.enter_context(tapping(model, sites))
+    with hooked(hooks), tapping(model, sites):
         yield record
 
 
@@ -242,13 +234,18 @@ class Taps:
 
 @contextmanager
 def gradient_run(
-    model: nn.Module, stream: Stream, nodes: Layout, read: Read
+    model: nn.Module,
+    stream: Stream,
+    nodes: Layout,
+    read: Read,
+    sink: Callable[[int, Tensor], None] | None = None,
 ) -> Iterator[tuple[Record, list[Taps]]]:
     """A run for the readers' gradients without copies of the attention: the MLP and logits readers read
     ``read``'s copy (one each); each layer's attention norm reads a copy x of the stream whose q, k and v points
     are kept with the gradients they receive, so that :func:`head_gradients` maps each head's gradient back to
-    x through the layer's own norm, projection rows and rotary alone (the stream starts from a leaf)."""
-    record = Record()
+    x through the layer's own norm, projection rows and rotary alone (the stream starts from a leaf). ``sink``:
+    as :class:`Record`'s."""
+    record = Record(sink=sink)
     taps = [Taps() for _ in stream.layers]
     hooks = [(stream.layers[0].module, "pre_kw", _entry(record, True))]
     sites: dict[str, dict[str, Callable[..., Any]]] = {}

@@ -154,7 +154,7 @@ class _Seen:
     calls: list[tuple[nn.Module, Tensor | None, Tensor | None]] = field(default_factory=list)
 
 
-def _recorders(layer: nn.Module, seen: _Seen) -> list[tuple[nn.Module, str, Callable[..., Any]]]:
+def _recorders(layer: nn.Module, seen: _Seen, width: int) -> list[tuple[nn.Module, str, Callable[..., Any]]]:
     def on_in(module: nn.Module, args: tuple, kwargs: dict) -> None:
         seen.input = hidden_of(args, kwargs)
 
@@ -169,7 +169,7 @@ def _recorders(layer: nn.Module, seen: _Seen) -> list[tuple[nn.Module, str, Call
         (layer, "post", on_out),
     ]
     for child in layer.children():
-        if any(True for _ in child.parameters()):
+        if any(True for _ in child.parameters()) or _is_norm(child, width):
             hooks.append((child, "post_kw", on_child))
     return hooks
 
@@ -200,7 +200,7 @@ def find_stream(
         if seen[-1].output is not None and not final and args and isinstance(args[0], Tensor):
             final.append((module, args[0]))
 
-    hooks = [h for layer, s in zip(layers, seen) for h in _recorders(layer, s)]
+    hooks = [h for layer, s in zip(layers, seen) for h in _recorders(layer, s, width)]
     hooks += [(m, "post", on_norm) for m in model.modules() if id(m) not in inside and _is_norm(m, width)]
     with torch.no_grad(), hooked(hooks), cache(model, "result", modules=[a for _, a in pairs]) as c:
         out = run(model, inputs)
@@ -266,8 +266,8 @@ def _check_layer(
     if attention_norm is None or not torch.equal(attn_in, x):  # type: ignore[arg-type]
         raise StreamError(
             f"the layer {name!r} is post-norm: its attention does not read a norm of the layer's input (as in "
-            f"BERT and norm_first=False layers, a norm runs on the residual sum), so the residual stream is not "
-            f"a sum of writers and edges are not defined"
+            f"BERT and norm_first=False layers, a norm runs on the residual sum; in OLMo 2, on the attention's "
+            f"output), so the residual stream is not a sum of writers and edges are not defined"
         )
     parts = _mlp_parts(seen, block, norms, layer, name)
     mlp = parts[-1]  # its output is the MLP's (the writer)
@@ -277,7 +277,8 @@ def _check_layer(
         why = (
             "a parallel block: its MLP reads the layer's input, as the attention does (GPT-J, Falcon, GPT-NeoX)"
             if _close(mlp_in, x)
-            else "not pre-norm: its MLP does not read a norm of its input + the attention's output"
+            else "not a sum of writers: its MLP does not read a norm of its input + the attention's output (a "
+            "norm on the attention's output before the residual sum, as Gemma 2's post-attention norm)"
         )
         raise StreamError(
             f"the layer {name!r} is {why}; the MLP is not downstream of the attention on the residual stream, "

@@ -15,6 +15,8 @@ rolled by one; metric: the last position's logit of the last clean token, per ex
   (``attribution_patch(point="z") - metric(corrupted)``), the largest gap relative to the largest effect.
 
     python benchmarks/circuits_families.py      # writes benchmarks/results/circuits_families.{json,md}
+    # side by side: python benchmarks/circuits_families.py --chunk I 4 /tmp/part_I.json  (I = 0..3), then
+    #               python benchmarks/circuits_families.py --merge /tmp/part_*.json
 """
 
 from __future__ import annotations
@@ -114,16 +116,18 @@ def check(model: nn.Module, clean: dict, corrupted: dict, metric) -> dict:
     except (ValueError, TypeError) as e:
         node = f"refused: {e}"
     edges = edge_check(model, clean, corrupted, metric)
-    node_ok = isinstance(node, float) and node <= NODE_TOL
+    return {"outcome": outcome_of(node, edges), "node": node, "edges": edges}
+
+
+def outcome_of(node: float | str, edges: float | str) -> str:
+    """The outcome of one model's checks: each a gap (within its tolerance or not) or a refusal by name."""
+    node_ok = isinstance(node, str) or node <= NODE_TOL
     edges_ok = isinstance(edges, str) or edges <= ROW_TOL
-    outcome = (
-        "a check fails"
-        if not (node_ok and edges_ok)
-        else "node and edges hold"
-        if isinstance(edges, float)
-        else "node holds, edges refused by name"
-    )
-    return {"outcome": outcome, "node": node, "edges": edges}
+    if not (node_ok and edges_ok):
+        return "a check fails"
+    if isinstance(node, str):
+        return "node and edges refused by name"
+    return "node and edges hold" if isinstance(edges, float) else "node holds, edges refused by name"
 
 
 def survey_family(model_type: str) -> dict:
@@ -214,16 +218,11 @@ def ours_models() -> dict[str, tuple[nn.Module, dict, dict, object]]:
     return models
 
 
-def main() -> int:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    warnings.simplefilter("ignore")
-    lens_families.T.logging.set_verbosity_error()
-    families = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-    if len(sys.argv) > 1:
-        families = [f for f in families if f in sys.argv[1:]]
+def survey(families: list[str], ours: bool, out: Path | None) -> dict:
+    """The records of our models (``ours``) and of ``families``, written to ``out`` after each (a long survey on
+    a shared machine runs in chunks side by side: ``--chunk i n``, then ``--merge``)."""
     records: dict = {}
-    for name, (model, clean, corrupted, metric) in ours_models().items():
+    for name, (model, clean, corrupted, metric) in ours_models().items() if ours else ():
         try:
             records[name] = check(model, clean, corrupted, metric)
         except Exception as e:  # noqa: BLE001
@@ -232,13 +231,40 @@ def main() -> int:
         for family in families:
             records[family] = survey_family(family)
             bar.update(1)
+            if out is not None:
+                out.write_text(json.dumps(records, indent=1) + "\n")
+    return records
+
+
+def main() -> int:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    warnings.simplefilter("ignore")
+    lens_families.T.logging.set_verbosity_error()
+    args = sys.argv[1:]
+    families = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    if args[:1] == ["--merge"]:
+        records = {k: v for path in args[1:] for k, v in json.loads(Path(path).read_text()).items()}
+        missing = [f for f in families if f not in records]
+        for rec in records.values():  # the outcome as this version names it
+            if "node" in rec:
+                rec["outcome"] = outcome_of(rec["node"], rec["edges"])
+    elif args[:1] == ["--chunk"]:
+        i, n, out = int(args[1]), int(args[2]), Path(args[3])
+        survey(families[i::n], i == 0, out)
+        return 0
+    else:
+        families = [f for f in families if f in args] if args else families
+        records = survey(families, not args, None)
+        missing = []
     r = {
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.machine()}, torch {torch.__version__}, transformers {lens_families.T.__version__}",
         "tolerances": {"node": NODE_TOL, "row_sum": ROW_TOL},
         "models": records,
+        "not_surveyed": missing,
     }
-    if len(sys.argv) == 1:
+    if not args or args[0] == "--merge":
         (RESULTS / "circuits_families.json").write_text(json.dumps(r, indent=1) + "\n")
         (RESULTS / "circuits_families.md").write_text(markdown(r))
     print(markdown(r))
@@ -256,6 +282,7 @@ def markdown(r: dict) -> str:
     counts = Counter(rec["outcome"] for rec in ms.values())
     looked = {f: rec for f, rec in ms.items() if "node" in rec}
     t = r["tolerances"]
+    missing = r.get("not_surveyed", [])
     lines = [
         "# Circuits on every model that runs on multihead (`benchmarks/circuits_families.py`)",
         "",
@@ -267,6 +294,15 @@ def markdown(r: dict) -> str:
         f"the estimated effect (tolerance {t['node']:g}); edges: the writer-row-sum identity (relative, tolerance "
         f"{t['row_sum']:g}) or the refusal by name.",
         "",
+        *(
+            [
+                f"**Incomplete**: {len(missing)} families were not surveyed before the deadline on the shared "
+                f"machine (load average ~17 on 2 cores): {', '.join(missing)}.",
+                "",
+            ]
+            if missing
+            else []
+        ),
         "| outcome | models |",
         "| --- | --- |",
         *(f"| {k} | {v} |" for k, v in counts.most_common()),

@@ -164,9 +164,10 @@ def faithfulness_curve(
     return rows
 
 
-def _agreement(est: torch.Tensor, exact: torch.Tensor) -> dict:
-    """Pearson correlation, sign agreement where |exact| > 5% of its largest, top-10 overlap."""
-    a, b = est.double().flatten(), exact.double().flatten()
+def _agreement(est: torch.Tensor, exact: torch.Tensor, base: float) -> dict:
+    """Of the effects (the patched metric minus ``base``, metric(corrupted)): Pearson correlation, sign agreement
+    where |exact effect| > 5% of its largest, top-10 overlap by |effect|."""
+    a, b = est.double().flatten() - base, exact.double().flatten() - base
     keep = torch.isfinite(a) & torch.isfinite(b)
     a, b = a[keep], b[keep]
     r = float(torch.corrcoef(torch.stack([a, b]))[0, 1])
@@ -205,6 +206,7 @@ def against_patching(model: torch.nn.Module, bos: int) -> dict:
                 model, clean, corrupted, metric, per_position=s["per_position"], modules=s["modules"]
             )
             row = {"exact_cpu_seconds": time.process_time() - t0, "tokens": clean["input_ids"].shape[1]}
+            base = means(model, clean, corrupted, metric)[1]
             for steps in (1, 5):
                 t0 = time.process_time()
                 est = lens.attribution_patch(
@@ -216,12 +218,15 @@ def against_patching(model: torch.nn.Module, bos: int) -> dict:
                     modules=s["modules"],
                     ig_steps=steps,
                 )
-                row[f"ig_steps={steps}"] = _agreement(est, exact) | {"cpu_seconds": time.process_time() - t0}
+                row[f"ig_steps={steps}"] = _agreement(est, exact, base) | {
+                    "cpu_seconds": time.process_time() - t0
+                }
                 if not s["per_position"]:
                     out.setdefault("heads", {})[steps] = est.tolist()
             out[what] = row
             if not s["per_position"]:
                 out["heads"]["exact"] = exact.tolist()
+                out["heads"]["corrupted"] = base
         finally:
             li.SEQ = seq
         print(f"{what}: {row}", flush=True)
@@ -321,9 +326,11 @@ def markdown(r: dict) -> str:
         row = r["against_patching"][what]
         for steps in (1, 5):
             a = row[f"ig_steps={steps}"]
+            sign = "n/a" if a["sign_agreement"] is None else f"{a['sign_agreement']:.2f} ({a['that_matter']})"
+            top = "n/a" if a["top10_overlap"] is None else f"{a['top10_overlap']}/10"
             lines.append(
-                f"| {what} | {row['tokens']} | {steps} | {a['pearson']:.3f} | {a['sign_agreement']:.2f} "
-                f"({a['that_matter']}) | {a['top10_overlap']}/10 | {a['cpu_seconds']:.1f} ({row['exact_cpu_seconds']:.0f}) |"
+                f"| {what} | {row['tokens']} | {steps} | {a['pearson']:.3f} | {sign} | {top} | "
+                f"{a['cpu_seconds']:.1f} ({row['exact_cpu_seconds']:.0f}) |"
             )
     return "\n".join(lines) + "\n"
 
@@ -337,9 +344,10 @@ def figure(r: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(1, 3, figsize=(13, 4))
     heads = r["against_patching"]["heads"]
-    exact = torch.tensor(heads["exact"]).flatten()
+    base = heads.get("corrupted", 0.0)  # the patched metrics as effects
+    exact = torch.tensor(heads["exact"]).flatten() - base
     for steps, mark in ((1, "x"), (5, "o")):
-        est = torch.tensor(heads[str(steps)]).flatten()
+        est = torch.tensor(heads[str(steps)]).flatten() - base
         a = r["against_patching"]["per head"][f"ig_steps={steps}"]
         ax[0].scatter(
             exact, est, s=12, marker=mark, label=f"ig_steps={steps} (r = {a['pearson']:.2f})", alpha=0.7

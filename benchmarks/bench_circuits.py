@@ -25,6 +25,9 @@ position, per pair.
 
     flock /tmp/bench.lock python benchmarks/bench_circuits.py      # writes results/circuits_cpu.{json,md,png}
     python benchmarks/bench_circuits.py --quick                      # 1 round, fewer pairs, nothing written
+    # on a loaded machine, the parts side by side, then one record (how the committed one was made):
+    python benchmarks/bench_circuits.py --parts speed_node --partial /tmp/speed_node.json   # and so on
+    python benchmarks/bench_circuits.py --merge /tmp/*.json
 """
 
 from __future__ import annotations

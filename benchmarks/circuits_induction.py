@@ -13,10 +13,14 @@ previous-token head L16H0 and the induction heads L17H3-5, L18H6-7. SmolLM2 has 
    ``circuits_fd.path_patch``: the corrupted run with that one reader fed the writer's clean output), against
    its score; ``lens.faithfulness`` of the top k edges for growing k (the clean run with every other edge
    carrying the corrupted writer output), and of random edge sets of the same sizes.
-3. Attribution against exact ``lens.patch_heads`` (z): per head on ``PATCH_BATCH`` sequences (270 heads), and per
-   head and position on one shorter sequence (``SHORT``) in layers 16-18, with ig_steps 1 and 5: Pearson
-   correlation, the sign agreement among the heads that matter, and how many of the exact top 10 the estimate
-   ranks in its top 10.
+3. Attribution against exact ``lens.patch_heads`` (z): per head on ``PATCH_BATCH`` sequences in layers 14-29
+   (144 heads: exact patching of the early layers costs the most), and per head and position on one shorter
+   sequence (``SHORT``) in layers 16-18, with ig_steps 1 and 5: Pearson correlation of the effects, the sign
+   agreement among the heads that matter, and how many of the exact top 10 the estimate ranks in its top 10.
+
+The committed record (2026-12-06) was measured on a 2-core machine under a load average of ~17: its parts ran
+side by side in separate processes (``find``, ``against_patching``, the noising of each edge) and were assembled
+into one record; its path-patching and faithfulness values come from the main run's printed lines (3 decimals).
 
 One thread::
 

@@ -276,8 +276,12 @@ def tiny():
     return m, clean, corrupted, lens.edge_attribution(m, clean, corrupted, _logit_diff)
 
 
-def _nodes(g):
-    return {(n.name, n.kind, n.head) for n in g.writers}, {(n.name, n.kind, n.head) for n in g.readers}
+def layout_of(m, inputs):
+    from multihead.heads.naming import attention_modules
+    from multihead.lens.readers import layout
+    from multihead.lens.stream import find_stream
+
+    return layout(find_stream(m, inputs, attention_modules(m))[0])
 
 
 def test_graph_nodes_and_upstream_follow_the_stack(tiny):
@@ -296,9 +300,11 @@ def test_graph_nodes_and_upstream_follow_the_stack(tiny):
     assert up[w[lens.Node("encoder.layers.0.ff", "mlp")], r[lens.Node(a1, "k", 1)]]
     assert not up[w[lens.Node("encoder.layers.1.ff", "mlp")], r[lens.Node(a1, "v", 0)]]
     assert (g.scores[~up] == 0).all() and int(up.sum()) == len(g.edges())
+    assert torch.equal(up, layout_of(m, clean).upstream())  # the run's order agrees with the layout's
     top = g.top(5)
     assert [abs(s) for _, _, s in top] == sorted((abs(s) for _, _, s in top), reverse=True)
     assert abs(top[0][2]) == float(g.scores.abs().max())
+    assert len(g.top(10_000)) == len(g.edges()) and all(up[w[a], r[b]] for a, b, _ in g.top(10_000))
     assert repr(g).startswith("Graph(11 writers, 19 readers")
     part = lens.edge_attribution(m, clean, corrupted, _logit_diff, modules=[a1])  # layer 1's nodes only
     rows = [0, *range(6, 11)]
@@ -409,6 +415,9 @@ def test_edges_and_faithfulness_refuse_bad_arguments_by_name(tiny):
         lens.faithfulness(m, [("embed", "logits")], clean, corrupted, _logit_diff)
     with pytest.raises(ValueError, match="not a writer"):
         lens.faithfulness(m, [(lens.Node("x", "head", 0), g.readers[0])], clean, corrupted, _logit_diff)
+    late = (g.writers[-1], g.readers[0])  # layer 1's MLP -> layer 0's q head 0
+    with pytest.raises(ValueError, match="not an edge"):
+        lens.faithfulness(m, [late], clean, corrupted, _logit_diff)
     with pytest.raises(ValueError, match="needs reference"):
         lens.faithfulness(m, [], clean, corrupted, _logit_diff, ablation="mean")
     with pytest.raises(ValueError, match="ablation must be"):

@@ -165,7 +165,7 @@ def _gradients(
 def _reduce(delta: Tensor, grad: Tensor, point: str, per_position: bool) -> Tensor:
     """(H,) or (H, P): ``delta * grad`` summed over all but the head (and position) dims; 0 where the delta is
     not finite (scores masked in both runs)."""
-    product = torch.where(torch.isfinite(delta), delta * grad, torch.zeros((), dtype=grad.dtype))
+    product = torch.where(torch.isfinite(delta), delta * grad, grad.new_zeros(()))
     keep = (1, 2) if per_position else (1,)
     return product.sum([d for d in range(product.dim()) if d not in keep])
 

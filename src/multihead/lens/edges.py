@@ -5,14 +5,19 @@ Dimensions: B batch, L length, E model width, W writers, R readers, C copies of 
 
 Writer w's clean output moved into reader r's input alone changes the metric's batch mean M by about
 ``sum over examples and positions of (w_clean - w_corrupted) . dM/d(x_r)``, x_r the reader's own copy of the
-stream (a writer at position p feeds the readers at p). The gradients dM/d(x_r) come from one forward and backward per step
-(:func:`~multihead.lens.readers.gradient_run`): the MLP and logits readers' copies get theirs from the backward
-itself, each q/k/v head's is the gradient at that head mapped back through its own norm and projection rows
-(:func:`~multihead.lens.readers.head_gradients`). Each is contracted with the deltas of the writers upstream
-(a layer's readers at once: (C, B*L*E) against each writer block's (n, B*L*E)) and dropped, so no reader's
-gradient outlives its layer. The finite differences that check this use the other mechanism, the reader-split
-forward (:func:`~multihead.lens.readers.reader_run`). The stream is found and checked on the clean run first (:mod:`.stream`): edges exist only where it is a sum of
-writers (pre-norm stacks); elsewhere they are refused by name, saying why.
+stream (a writer at position p feeds the readers at p). The gradients dM/d(x_r) come from one forward and
+backward per step (:func:`~multihead.lens.readers.gradient_run`): the MLP and logits readers' copies get theirs
+from the backward itself; each q/k/v head's is the gradient at that head mapped back through its own norm and
+projection rows (:func:`~multihead.lens.readers.head_gradients`). Each is contracted with the deltas of the
+writers upstream (a layer's readers at once: (C, B*L*E) against each writer block's (n, B*L*E)) and dropped, so
+no reader's gradient outlives its layer, and each writer's delta is formed as its corrupted output comes. The
+finite differences that check this use the other mechanism, the reader-split forward
+(:func:`~multihead.lens.readers.reader_run`). The stream is found and checked on the clean run first
+(:mod:`.stream`): edges exist only where it is a sum of writers (pre-norm stacks); elsewhere they are refused
+by name, saying why.
+
+On SmolLM2-135M with 1,000 tokens, one thread (AMD EPYC Zen 1, loaded machine): a forward 11.5 s, edges
+(301 writers x 481 readers) 71 s, peak resident set 3.2 GiB.
 
 Because the stream is a sum of writers, dM/dw is the sum of dM/d(x_r) over the readers downstream of w, so a
 writer's row sums to its node effect (a head's: ``attribution_patch(point="z") - metric(corrupted)``).

@@ -130,7 +130,7 @@ def _removing(drop: Tensor, ablated: list[Tensor]) -> Callable[[slice, int, Tens
         for start, this, off in zip(record.starts, record.blocks, ablated):
             if start >= upto:
                 break
-            mask = drop[start : start + this.shape[0], cols].to(x.dtype)  # (n, C)
+            mask = drop[start : start + this.shape[0], cols].to(device=x.device, dtype=x.dtype)  # (n, C)
             if bool(mask.any()):
                 copies -= torch.einsum("nc,nble->cble", mask, (this - off.to(this.dtype)).expand_as(this))
         return copies
@@ -145,6 +145,7 @@ def _kept(edges: Iterable[Any] | Graph, nodes: Layout) -> Tensor:
     writers = {w: i for i, w in enumerate(nodes.writers)}
     readers = {r: j for j, r in enumerate(nodes.readers)}
     kept = torch.zeros(len(writers), len(readers), dtype=torch.bool)
+    upstream = nodes.upstream()
     for edge in edges:
         if not (
             isinstance(edge, tuple) and len(edge) in (2, 3) and all(isinstance(n, Node) for n in edge[:2])
@@ -159,6 +160,10 @@ def _kept(edges: Iterable[Any] | Graph, nodes: Layout) -> Tensor:
             raise ValueError(
                 f"edges names {missing}, which is not a {'writer' if w is missing else 'reader'} of this model; "
                 f"take nodes from lens.edge_attribution(...).writers / .readers"
+            )
+        if not upstream[writers[w], readers[r]]:
+            raise ValueError(
+                f"edges holds ({w}, {r}), which is not an edge: the writer runs after the reader reads the stream"
             )
         kept[writers[w], readers[r]] = True
     return kept

@@ -80,16 +80,15 @@ class Graph:
         ]
 
     def top(self, k: int) -> list[Edge]:
-        """The ``k`` edges of largest ``|score|``, largest first: ``[(writer, reader, score), ...]``."""
+        """The ``k`` edges of largest ``|score|``, largest first: ``[(writer, reader, score), ...]`` (only edges:
+        a writer upstream of its reader; fewer than ``k`` where the graph has fewer)."""
         if not isinstance(k, int) or isinstance(k, bool) or k < 0:
             raise ValueError(f"k must be a non-negative int (how many edges), got {k!r}")
-        flat = self.scores.flatten().abs()
-        order = torch.argsort(flat, descending=True, stable=True)[: min(k, flat.numel())]
+        flat = self.scores.flatten()
+        index = torch.nonzero(self.upstream.flatten(), as_tuple=True)[0]  # (edges,)
+        order = index[torch.argsort(flat[index].abs(), descending=True, stable=True)[:k]]
         r = len(self.readers)
-        return [
-            (self.writers[i // r], self.readers[i % r], float(self.scores.flatten()[i]))
-            for i in order.tolist()
-        ]
+        return [(self.writers[i // r], self.readers[i % r], float(flat[i])) for i in order.tolist()]
 
     def node_effects(self) -> Tensor:
         """(W,): each writer's row sum, its first-order node effect on the metric's batch mean."""

@@ -52,6 +52,16 @@ class Layout:
     head_rows: list[slice]
     mlp_rows: list[int]
 
+    def upstream(self) -> Tensor:
+        """(W, R) bool: whether writer w runs before reader r reads (an edge exists): a layer's q/k/v heads read
+        the writers of the layers before it, its MLP also its own heads, the logits every writer."""
+        mask = torch.zeros(len(self.writers), len(self.readers), dtype=torch.bool)
+        for cols, heads, mlp_col in zip(self.attention_cols, self.head_rows, self.mlp_cols):
+            mask[: heads.start, cols] = True
+            mask[: heads.stop, mlp_col] = True
+        mask[:, -1] = True
+        return mask
+
 
 def layout(stream: Stream) -> Layout:
     """Every node of ``stream``: writers embed, heads, MLPs; readers q, k, v heads, MLPs, logits."""

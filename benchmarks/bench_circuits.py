@@ -469,7 +469,7 @@ def measure(quick: bool, n: int, parts: tuple[str, ...], partial: Path) -> dict:
     r["meta"] = meta(torch)
     steps: dict[str, Callable[[], object]] = {
         "equal_smollm2": lambda: equal_smollm2(smol, data.first(EQUAL_PAIRS)),
-        "equal_random_llama": lambda: equal_random_llama(rand, data, 1 if quick else 2),
+        "equal_random_llama": lambda: equal_random_llama(rand, data, 1 if quick else len(data)),
         "gqa": lambda: {
             "tl_edges_smollm2": peer.refusal(smol["tl"], data),
             "tl_ig_steps": peer.ig_refusal(),
@@ -492,7 +492,7 @@ def measure(quick: bool, n: int, parts: tuple[str, ...], partial: Path) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--quick", action="store_true", help="1 round, 2 pairs' faithfulness, nothing written"
+        "--quick", action="store_true", help="1 round, 1 pair's faithfulness, nothing written"
     )
     parser.add_argument("--rounds", type=int, default=2, help="rounds of the speed comparisons")
     parser.add_argument(

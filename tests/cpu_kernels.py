@@ -8,8 +8,9 @@ capability the CPU has, so every kernel a user may get is checked here.
 
 One pytest run does it: an xdist worker per capability (``--tx popen//env:ATEN_CPU_CAPABILITY=...``) and
 ``--dist each``, which hands every test to every worker, so the capabilities run side by side, one core
-each, and the test files are collected once per capability (two capabilities one after the other, two
-workers each, took 101 s on the 2-core machine; side by side: see docs/development.md). tests/conftest.py
+each (with a single other capability, two workers under it share the tests: :func:`workers`), and the
+test files are collected once per capability (two capabilities one after the other, two workers each, took
+101 s on the 2-core machine; side by side: see docs/development.md). tests/conftest.py
 checks in each worker that torch took the capability asked for and names it in a failure's report.
 
     python tests/cpu_kernels.py [pytest arguments...]   (arguments: they choose the tests, not the files
@@ -35,12 +36,10 @@ def main(argv: list[str]) -> int:
         return 0
     root = Path(__file__).resolve().parent.parent
     files = numerics_files(root / "tests") if not argv else []
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "numerics", "-p", "no:cacheprovider", "--dist", "each"]
-    for cap in others:  # worker gw<i> runs under others[i]
-        cmd += ["--tx", f"popen//env:ATEN_CPU_CAPABILITY={cap}"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "numerics", "-p", "no:cacheprovider"] + workers(others)
     start = time.perf_counter()
     status = subprocess.run(cmd + files + argv, cwd=root).returncode
-    names = ", ".join(f"gw{i} {cap}" for i, cap in enumerate(others))
+    names = ", ".join(f"gw{i} {cap}" for i, cap in enumerate(others * 2 if len(others) == 1 else others))
     print(f"numerics tests under ATEN_CPU_CAPABILITY={'+'.join(others)} ({names}): "
           f"{time.perf_counter() - start:.0f} s")  # fmt: skip
     if status:
@@ -48,6 +47,16 @@ def main(argv: list[str]) -> int:
             "FAILED: each failure names its ATEN_CPU_CAPABILITY; rerun with that variable set to see it alone"
         )
     return status
+
+
+def workers(others: list[str]) -> list[str]:
+    """The xdist workers: one per capability, each given every test (``--dist each``), so the capabilities
+    run side by side; with one other capability (an AVX2-only CPU: default alone), two workers under it
+    share the tests (``--dist worksteal``), so both cores work (one worker alone took 438 s on a Zen 1)."""
+    if len(others) == 1:
+        return ["--dist", "worksteal", "--tx", f"2*popen//env:ATEN_CPU_CAPABILITY={others[0]}"]
+    tx = [arg for cap in others for arg in ("--tx", f"popen//env:ATEN_CPU_CAPABILITY={cap}")]
+    return ["--dist", "each", *tx]  # worker gw<i> runs under others[i]
 
 
 def numerics_files(tests: Path) -> list[str]:

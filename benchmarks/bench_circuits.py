@@ -48,10 +48,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import circuits_fd  # noqa: E402
 import circuits_peer as peer  # noqa: E402
+from bench_lens import _timed, rounds  # noqa: E402  (the same timing rounds as the lens benchmark)
 from circuits_report import chart, markdown, meta  # noqa: E402
 
 from multihead import lens  # noqa: E402
-from multihead.bench.measure import balanced_orders  # noqa: E402
 from multihead.bench.stats import spread  # noqa: E402
 from multihead.testing import smollm2_dir  # noqa: E402
 
@@ -221,32 +221,6 @@ def reader_columns(model64: torch.nn.Module, data: peer.IOI) -> dict:
     return {"rows": rows, "met": all(r["relative_gap"] <= 1e-4 for r in rows), "readers": len(graph.readers)}
 
 
-def _timed(fn: Callable[[], object]) -> tuple[float, float]:
-    """(CPU seconds of this process, wall seconds) of one call."""
-    c0, t0 = time.process_time(), time.perf_counter()
-    out = fn()
-    del out
-    return time.process_time() - c0, time.perf_counter() - t0
-
-
-def rounds(
-    steps: dict[str, Callable[[], object]], n: int, what: str, warm: bool = True
-) -> dict[str, dict[str, list[float]]]:
-    """``n`` rounds of every step (after one warm-up call each where ``warm``), in balanced orders:
-    {label: {"cpu": [...], "wall": [...]}}."""
-    for fn in steps.values() if warm else ():
-        _timed(fn)
-    labels, orders = list(steps), balanced_orders(len(steps))
-    times: dict[str, dict[str, list[float]]] = {k: {"cpu": [], "wall": []} for k in labels}
-    for r in range(n):
-        for k in (labels[j] for j in orders[r % len(orders)]):
-            cpu, wall = _timed(steps[k])
-            times[k]["cpu"].append(cpu)
-            times[k]["wall"].append(wall)
-        print(f"{what}: round {r + 1}/{n}", flush=True)
-    return times
-
-
 def _ratio(times: dict, num: str, den: str, scale: float = 1.0) -> dict:
     pairs = zip(times[num]["cpu"], times[den]["cpu"], strict=True)
     return spread([a / (b * scale) for a, b in pairs])._asdict()
@@ -288,7 +262,7 @@ def speed_node(model: torch.nn.Module, bridge: torch.nn.Module, data: peer.IOI, 
         "plain forward + backward": plain_run(model, data),
         "TransformerLens attribution_patch (node)": lambda: peer.node_scores(bridge, data),
     }
-    times = rounds(steps, n, "node speed")
+    times = rounds(steps, n, "node speed", grad=True)
     labels = list(steps)
     ratio = _ratio(times, labels[0], labels[4])
     ig = _ratio(times, labels[2], labels[3], IG_STEPS)
@@ -318,7 +292,7 @@ def speed_edges(
         "multihead edge_attribution": lambda: lens.edge_attribution(model, clean, corrupted, metric),
         "TransformerLens attribution_patch (edge)": lambda: peer.edge_scores(bridge, data),
     }
-    times = rounds(steps, n, "edge speed")
+    times = rounds(steps, n, "edge speed", grad=True)
     ratio = _ratio(times, *steps)
     ig_steps = {
         "SmolLM2 edge_attribution": lambda: lens.edge_attribution(big, clean, corrupted, metric),
@@ -327,7 +301,9 @@ def speed_edges(
         ),
         "SmolLM2 plain forward + backward": plain_run(big, data),
     }
-    ig_times = rounds(ig_steps, max(1, n // 3), "edge ig speed", warm=False)  # tens of seconds a call
+    ig_times = rounds(
+        ig_steps, max(1, n // 3), "edge ig speed", warm=False, grad=True
+    )  # tens of seconds a call
     labels = list(ig_steps)
     ig = _ratio(ig_times, labels[1], labels[2], IG_STEPS)
     return {
@@ -393,9 +369,13 @@ def scale_worker(task: str) -> int:
     seen = {"rss_before_gib": before, "cpu0": time.process_time()}
     _watchdog(STOP_GIB, 3 * TARGETS[f"scale_{task}_s"], seen)
     if task == "node":
-        cpu, wall = _timed(lambda: lens.attribution_patch(model, clean, corrupted, metric, per_position=True))
+        cpu, wall = _timed(
+            lambda: lens.attribution_patch(model, clean, corrupted, metric, per_position=True), True
+        )
     else:
-        cpu, wall = _timed(lambda: lens.edge_attribution(model, clean, corrupted, metric, progress=True))
+        cpu, wall = _timed(
+            lambda: lens.edge_attribution(model, clean, corrupted, metric, progress=True), True
+        )
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(json.dumps({"cpu": cpu, "wall": wall, "rss_before_gib": before, "peak_rss_gib": peak}), flush=True)
     return 0

@@ -171,25 +171,28 @@ def edits(model: torch.nn.Module, bridge: torch.nn.Module, ids: torch.Tensor) ->
     return rows
 
 
-def _timed(fn: Callable[[], object]) -> tuple[float, float]:
-    """(CPU seconds of this process, wall seconds) of one call, without autograd."""
+def _timed(fn: Callable[[], object], grad: bool = False) -> tuple[float, float]:
+    """(CPU seconds of this process, wall seconds) of one call, without autograd unless ``grad``."""
     c0, t0 = time.process_time(), time.perf_counter()
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         out = fn()
     del out
     return time.process_time() - c0, time.perf_counter() - t0
 
 
-def rounds(steps: dict[str, Callable[[], object]], n: int, what: str) -> dict[str, dict[str, list[float]]]:
-    """``n`` rounds of every step after one warm-up call each, in balanced orders (each step right after
-    each other equally often): {label: {"cpu": [...], "wall": [...]}}."""
-    for fn in steps.values():
-        _timed(fn)
+def rounds(
+    steps: dict[str, Callable[[], object]], n: int, what: str, *, warm: bool = True, grad: bool = False
+) -> dict[str, dict[str, list[float]]]:
+    """``n`` rounds of every step (after one warm-up call each where ``warm``), in balanced orders (each step
+    right after each other equally often), without autograd unless ``grad``: {label: {"cpu": [...], "wall":
+    [...]}}. ``bench_circuits.py`` times its gradients with it too."""
+    for fn in steps.values() if warm else ():
+        _timed(fn, grad)
     labels, orders = list(steps), balanced_orders(len(steps))
     times: dict[str, dict[str, list[float]]] = {k: {"cpu": [], "wall": []} for k in labels}
     for r in range(n):
         for k in (labels[j] for j in orders[r % len(orders)]):
-            cpu, wall = _timed(steps[k])
+            cpu, wall = _timed(steps[k], grad)
             times[k]["cpu"].append(cpu)
             times[k]["wall"].append(wall)
         print(f"{what}: round {r + 1}/{n}", flush=True)

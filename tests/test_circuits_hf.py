@@ -233,3 +233,28 @@ def test_every_family_gives_edges_or_a_named_refusal(family):
     torch.testing.assert_close(g.node_effects()[heads].view(node.shape), node - base)
     assert lens.faithfulness(m, g, clean, corrupted, metric) == pytest.approx(1.0, abs=1e-9)
     assert lens.faithfulness(m, [], clean, corrupted, metric) == pytest.approx(0.0, abs=1e-9)
+
+
+@pytest.mark.parametrize("point", ["z", "k", "pattern"])
+def test_the_clean_run_of_attribution_patch_stops_after_the_last_module_asked(llama, point):
+    """The clean run reads only each module's point: the unembedding (and, with ``modules=`` the first layer,
+    every later layer) never runs there, and the estimate is what a full clean run gives (z or k sources
+    taken from lens.cache by hand)."""
+    m, clean, corrupted, _ = llama
+    calls = []
+    handle = m.lm_head.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        est = lens.attribution_patch(m, clean, corrupted, _logit_diff, point=point)
+    finally:
+        handle.remove()
+    assert len(calls) == 1  # the corrupted run's alone
+    with torch.no_grad(), lens.cache(m, point) as c:
+        m(clean)
+    with lens.cache(m, point, grads=True) as g:
+        value = _logit_diff(m(corrupted)).mean()
+        value.backward()
+    m.zero_grad()
+    by_hand = torch.stack(
+        [value.detach() + ((c[n, point] - g[n, point]) * g.grad(n, point)).sum((0, 2, 3)) for n in c.names()]
+    )
+    torch.testing.assert_close(est.to(by_hand.dtype), by_hand, rtol=1e-5, atol=1e-6)

@@ -22,7 +22,6 @@ from torch import Tensor, nn
 
 from ..heads.naming import attention_modules
 from ..progress import Progress
-from .cache import cache
 from .patch import _check_alike, _per_example
 from .path import Path, check_steps, steps
 from .sites import Context, ModuleSelection, check_points, run, select, tapping
@@ -59,10 +58,7 @@ def attribution_patch(
     names = select(model, modules)
     batch = _check_alike(clean, corrupted)
     path = Path(model, clean, corrupted) if m > 1 else None
-    with torch.no_grad(), cache(model, point, modules=names) as c:
-        with _recording(path, "clean"):
-            run(model, clean)
-    sources = {name: _one_call(c.calls(name, point) if (name, point) in c else [], name) for name in names}
+    sources = _clean_points(model, clean, names, point, path)
     runs = Runs(model, attention_modules(model), path, corrupted, metric, batch)
     grads: dict[str, Tensor] = {}
     show = m >= 8 if progress is None else progress
@@ -82,6 +78,35 @@ def attribution_patch(
 def _recording(path: Path | None, end: str) -> AbstractContextManager[None]:
     """Record the path's end ``end`` in the block (nothing without a path)."""
     return nullcontext() if path is None else path.recording(end)
+
+
+class _Enough(Exception):
+    """Raised in the clean run once every module asked has given its point: the rest of that forward (the
+    layers after the last one asked, the final norm, the unembedding) computes nothing the estimate reads."""
+
+
+def _clean_points(
+    model: nn.Module, clean: object, names: list[str], point: str, path: Path | None
+) -> dict[str, Tensor]:
+    """``point`` of each module on the clean inputs, the forward stopped once all have run (the unembedding of
+    every position is about a sixth of a small LM's forward). A module that runs twice is refused by the
+    corrupted run (:func:`grab`)."""
+    kept: dict[str, Tensor] = {}
+
+    def keep(tensor: Tensor, ctx: Context) -> None:
+        # k and v copied: a KV cache may write its buffers in place
+        kept.setdefault(ctx.name, tensor.detach().clone() if point in ("k", "v") else tensor.detach())
+        if len(kept) == len(names):
+            raise _Enough
+
+    sites = {name: {point: keep} for name in names}
+    try:
+        with torch.no_grad(), tapping(model, sites, pattern_from_weights=point != "scores"):
+            with _recording(path, "clean"):
+                run(model, clean)
+    except _Enough:
+        pass
+    return {name: _one_call([kept[name]] if name in kept else [], name) for name in names}
 
 
 def _one_call(calls: list[Tensor], name: str) -> Tensor:

@@ -206,6 +206,8 @@ SURVEY = {
     "olmo2": (T.Olmo2Config, {}, "post-norm"),
     "gemma2": (T.Gemma2Config, dict(final_logit_softcapping=None), "norm on the attention's output"),
     "phi": (T.PhiConfig, {}, "parallel block"),
+    # its mixture of experts returns the tokens flattened (B*L, E): once a RuntimeError in the stream check
+    "llama4_text": (T.Llama4TextConfig, {}, "not shaped like the stream"),
 }
 
 

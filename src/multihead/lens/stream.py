@@ -174,6 +174,13 @@ def _recorders(layer: nn.Module, seen: _Seen, width: int) -> list[tuple[nn.Modul
     return hooks
 
 
+def _sum(*parts: Tensor | None) -> Tensor | None:
+    """The sum of tensors of one shape; None where one is missing or the shapes differ (nothing to compare)."""
+    if any(p is None for p in parts) or len({p.shape for p in parts}) != 1:  # type: ignore[union-attr]
+        return None
+    return sum(parts[1:], parts[0])  # type: ignore[arg-type]
+
+
 def _close(a: Tensor | None, b: Tensor | None) -> bool:
     if a is None or b is None or a.shape != b.shape:
         return False
@@ -273,7 +280,7 @@ def _check_layer(
     mlp = parts[-1]  # its output is the MLP's (the writer)
     mlp_norm, mlp_in, _ = _fed_by(seen, parts[0], norms, name, "MLP")
     mlp_out = next(o for c, _, o in reversed(seen.calls) if c is mlp)
-    if mlp_norm is None or not _close(mlp_in, x + attn_out):  # type: ignore[operator]
+    if mlp_norm is None or not _close(mlp_in, _sum(x, attn_out)):
         why = (
             "a parallel block: its MLP reads the layer's input, as the attention does (GPT-J, Falcon, GPT-NeoX)"
             if _close(mlp_in, x)
@@ -284,10 +291,12 @@ def _check_layer(
             f"the layer {name!r} is {why}; the MLP is not downstream of the attention on the residual stream, "
             f"and edges are not defined"
         )
-    if not _close(seen.output, x + attn_out + mlp_out):  # type: ignore[operator]
+    if not _close(seen.output, _sum(x, attn_out, mlp_out)):
         raise StreamError(
             f"the output of the layer {name!r} is not its input + attention output + MLP output (a norm after a "
-            f"sublayer, as Gemma 2's, or a scaled residual): the stream is not a sum of writers, edges are not defined"
+            f"sublayer, as Gemma 2's, a scaled residual, or an MLP whose output is not shaped like the stream, as "
+            f"Llama 4's mixture of experts' flattened tokens): the stream is not a sum of writers, edges are not "
+            f"defined"
         )
     mlp_name = next(n for n, c in model.named_modules() if c is mlp)
     h, hkv = module_heads(attention)

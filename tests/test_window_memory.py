@@ -60,5 +60,11 @@ def test_a_window_grows_the_heap_by_no_more_than_a_block_of_its_output():
     output = 8 * n * 64 * 4 / 2**20  # (1, 8, L, 64) float32: 8 MiB, which both must hold
     assert plain >= output * 0.99  # the measurement sees the output (a broken one would pass anything)
     # beside the output: one block's kernel output (1, 8, 256, 64) = 0.5 MiB, its float mask and the mask's
-    # evaluation on one tile; out of place the join held five such blocks and grew 6-7 MiB more than plain
-    assert window - plain <= 2.0, (window, plain)
+    # evaluation on one tile; out of place the join held five such blocks and grew 6-7 MiB more than plain.
+    # Where the freed blocks land in the heap varies between processes: 9.4-9.7 MiB in most, 11.7-13.6 in about
+    # one in three (Zen 1). The least of up to 5 processes is read (the old join never fell below 14.4).
+    tries = [window]
+    while window - plain > 2.0 and len(tries) < 5:
+        window = _growth(n, "window")
+        tries.append(window)
+    assert window - plain <= 2.0, (tries, plain)

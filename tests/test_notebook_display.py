@@ -23,13 +23,14 @@ from html.parser import HTMLParser
 import numpy as np
 import pytest
 import torch
+from browser import need_chromium
 from toy_models import ToySeq2Seq, toy_inputs
 
 from multihead import heads, lens, viz
 from multihead.heads import PruneResult, PruneStep
 from multihead.lens import Graph, Node
 from multihead.lens.attribution import Attribution
-from multihead.testing import chromium, render
+from multihead.testing import render
 from multihead.viz.show import page
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -409,15 +410,6 @@ new PerformanceObserver((list) => { for (const e of list.getEntries())
 </script>"""
 
 
-def _need_chromium():
-    if chromium() is None:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail("CI=true but no chromium on PATH: run `make browser` (apt-get install chromium)")
-        pytest.skip(
-            "no chromium on PATH (apt-get install chromium, or make browser); the views are not drawn"
-        )
-
-
 def test_several_views_draw_offline_in_chromium_and_request_nothing(toy, tmp_path):
     """Two head views of one capture, a heatmap with a slider, importance and a circuit in one page: each
     view's script reports it drew (the page's status is ready only when every view's is), the console is
@@ -425,7 +417,7 @@ def test_several_views_draw_offline_in_chromium_and_request_nothing(toy, tmp_pat
     server-drawn pictures still show."""
     from PIL import Image
 
-    _need_chromium()
+    need_chromium("the views")
     model, inputs, cap, _ = toy
     views = [
         viz.show(cap, source=SRC, target=TGT),
@@ -450,7 +442,7 @@ def test_several_views_draw_offline_in_chromium_and_request_nothing(toy, tmp_pat
 
 
 def test_a_view_that_fails_says_so_and_the_others_still_draw(toy, tmp_path):
-    _need_chromium()
+    need_chromium("the views")
     _, _, cap, _ = toy
     good, bad = viz.show(cap), viz.show(cap)._repr_html_()
     thumbs = Parsed(bad).data[0]["modules"][0]["thumbs"]

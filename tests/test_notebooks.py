@@ -13,12 +13,12 @@ resource was requested.
 from __future__ import annotations
 
 import base64
-import os
 import re
 import sys
 from pathlib import Path
 
 import pytest
+from browser import need_chromium
 
 for _name in ("nbclient", "nbformat", "nbconvert", "ipykernel"):
     pytest.importorskip(_name)
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "notebooks"))
 import execute  # noqa: E402  (notebooks/execute.py)
 
-from multihead.testing import chromium, render  # noqa: E402
+from multihead.testing import render  # noqa: E402
 
 NOTEBOOKS = [p.name for p in execute.NOTEBOOKS]
 LENS = "005_lens_and_circuits.ipynb"
@@ -83,22 +83,13 @@ def test_notebook_runs_and_its_results_draw_themselves(name, tmp_path):
         _export_draws_offline(done.notebook, tmp_path)
 
 
-def _need_chromium():
-    if chromium() is None:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail("CI=true but no chromium on PATH: run `make browser` (apt-get install chromium)")
-        pytest.skip(
-            "no chromium on PATH (apt-get install chromium, or make browser); the export is not drawn"
-        )
-
-
 def _export_draws_offline(notebook, tmp_path):
     """The nbconvert export (JupyterLab template, images embedded, no CDN script) in headless Chromium."""
     text = execute.offline_html(notebook)
     assert not REQUESTS.search(text), REQUESTS.search(text).group(0)
     n = text.count("data-mh-view=")
     assert n >= VIEWS[LENS]
-    _need_chromium()
+    need_chromium("the export")
     page, shot = tmp_path / "lens.html", tmp_path / "lens.png"
     page.write_text(text.replace("</body>", CHECK + "</body>"), encoding="utf-8")
     got = render(page, screenshot=shot, window=(1200, 1600))

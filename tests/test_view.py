@@ -9,13 +9,13 @@ from __future__ import annotations
 import base64
 import json
 import math
-import os
 import zlib
 from html.parser import HTMLParser
 
 import numpy as np
 import pytest
 import torch
+from browser import need_chromium
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -24,7 +24,7 @@ pytest.importorskip("transformers")
 import checkpoints  # noqa: E402  (tests/checkpoints.py)
 
 from multihead.commands import model_dir  # noqa: E402
-from multihead.testing import chromium, minilm_dir, render  # noqa: E402
+from multihead.testing import minilm_dir, render  # noqa: E402
 from multihead.viz import page  # noqa: E402
 
 BUILDERS = {
@@ -525,21 +525,12 @@ def test_build_page_refuses_weights_that_do_not_match_the_tokens():
 # ------------------------------------------------------------------------------------------------
 
 
-def _need_chromium():
-    if chromium() is None:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail("CI=true but no chromium on PATH: run `make browser` (apt-get install chromium)")
-        pytest.skip(
-            "no chromium on PATH (apt-get install chromium, or make browser); the page is not rendered"
-        )
-
-
 def test_page_renders_offline_in_chromium_without_errors(capsys, tmp_path, folders):
     """The encoder-decoder page (three kinds of modules, Lq != Lk, importance bars) in one browser run;
     ``benchmarks/bench_view.py`` renders the real checkpoint's pages at 512 and 1,024 tokens."""
     from PIL import Image
 
-    _need_chromium()
+    need_chromium("the page")
     out, shot = tmp_path / "bart.html", tmp_path / "bart.png"
     argv = [
         folders["encoder-decoder"],
@@ -564,7 +555,7 @@ def test_long_page_renders_pooled_thumbnails_and_the_head_view_in_chromium(tmp_p
     drawn): the page draws everything without an error; a broken thumbnail sets its status to error."""
     from PIL import Image
 
-    _need_chromium()
+    need_chromium("the page")
     n = 300
     w = torch.softmax(torch.randn(2, 2, n, n), dim=-1)  # (modules, H, L, L)
     w[0, 0] = torch.eye(n)

@@ -3,13 +3,14 @@
 ``torch.compile`` turns ``flex_attention`` into a C++ kernel for the CPU (inductor's template: float32,
 forward only). It skips the tiles a block mask lists as empty, runs the full ones unmasked and inlines the
 mask function in the partial ones -- one loop, where the ``blocked`` backend makes one ATen kernel call per
-block of queries with a materialised mask per span. For banded and block-sparse masks it is the faster of
-the two on the CPU (``benchmarks/results/flex_masks_cpu*``). Where a query tile sees :data:`LONG_SPAN` keys
-or more on average (prefix-LM, causal, windows of 1,024 and wider) the answer depends on the CPU: on a Zen 4
-AMD EPYC ATen's fused kernel over the long span was faster (blocked took 0.85-0.98x flex's time, with
-AVX-512 and AVX2 kernels alike), on a Zen 5 one the compiled template (prefix-LM at L = 4,096: 111.6
-against 141.0 ms). So auto routing measures: the first hot call of such a (function, shape) compiles, runs
-both :data:`MEASURE_ROUNDS` times more, and the faster serves it from then on.
+block of queries with a materialised mask per span. Which of the two is faster depends on the CPU and the
+mask (``benchmarks/results/flex_masks_cpu*``): on Zen 4 and Zen 5 EPYCs (AVX-512) the template won banded
+and block-sparse masks, on long spans (prefix-LM, causal) ATen's fused kernel won on the Zen 4 (blocked took
+0.85-0.98x flex's time) and the template on the Zen 5 (prefix-LM at L = 4,096: 111.6 against 141.0 ms); on a
+Zen 1 EPYC (AVX2, no AVX-512) blocked took 0.41-0.59x the template's time on every mask, windows included.
+So auto routing measures: the first hot call of a (function, shape) compiles, runs both
+:data:`MEASURE_ROUNDS` times more, and the faster serves it from then on (:data:`LONG_SPAN` limits that to
+tiles that see that many keys on average; 0, the default, measures every one).
 
 It has two costs, which this module bounds:
 
@@ -81,8 +82,11 @@ TILE = 64  # the small tile: queries and keys of one tile where it spares comput
 COARSE = 128  # ... else this one (FlexAttention's default): fewer tiles, less loop overhead
 SPARES = 0.95  # the small tile serves when it computes at most this share of the coarse tile's pairs
 CAPACITY = 32  # compiled (function, shape) entries kept
-LONG_SPAN = 2048  # mean keys a query tile sees at and above which the two are measured on the first hot call
-MEASURE_ROUNDS = 2  # calls of each (the fastest counts) when a long span is measured
+# mean keys a query tile sees at and above which the two are measured on the first hot call; 0: always. It was
+# 2,048 (long spans only) until a Zen 1 EPYC (AVX2, no AVX-512) ran every banded mask on the compiled template
+# at 1.7-2.4x blocked's time (docs/performance.md, "Which of the two on a CPU without AVX-512")
+LONG_SPAN = 0
+MEASURE_ROUNDS = 2  # calls of each (the fastest counts) when a (function, shape) is measured
 _clock = time.perf_counter  # what measures them (tests put a fake one here)
 
 
@@ -98,7 +102,7 @@ class _Entry:
     made_from: tuple = ()  # (structure or BlockMask, table versions) its block mask was made from
     run: Callable[..., Tensor] | None = None
     failed: str | None = None
-    measured: dict[str, float] | None = None  # long spans: seconds per call of "flex" and "blocked", once
+    measured: dict[str, float] | None = None  # seconds per call of "flex" and "blocked", measured once
 
 
 _MADE = itertools.count(1)  # entry points made: each gets a name (and code object) of its own
@@ -212,11 +216,11 @@ class CpuFlex:
             f, b = entry.measured["flex"], entry.measured["blocked"]
             return Deferral(
                 "blocked",
-                f"its query tiles see {entry.span:.0f} keys on average (>= {self.long_span}), and on this CPU "
+                f"its query tiles see {entry.span:.0f} keys on average, and on this CPU "
                 f"blocked's fused kernel ran it in {b * 1e3:.1f} ms against the compiled template's "
                 f"{f * 1e3:.1f} ms",
             )
-        return None  # a long span not yet measured: this call compiles, and measures both (__call__)
+        return None  # not yet measured: this call compiles, and measures both (__call__)
 
     def __call__(self, call: AttentionCall, fallback: Callable[[AttentionCall], Tensor] | None) -> Tensor:
         """(B, H, Lq, D) through the compiled kernel; ``fallback(call)`` answers when compiling fails
@@ -319,7 +323,7 @@ def _measure(contenders: dict[str, Callable[[], object]], rounds: int = MEASURE_
             start = _clock()
             contenders[name]()
             best[name] = min(best[name], _clock() - start)
-    log.debug("compiled flex on the CPU, a long span measured: %s", best)
+    log.debug("compiled flex on the CPU against blocked, measured: %s", best)
     return best
 
 

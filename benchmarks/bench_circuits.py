@@ -446,7 +446,7 @@ def measure(quick: bool, n: int, parts: tuple[str, ...], partial: Path) -> dict:
     models = load(folder, str(peer.save_random_llama(work, folder)))
     smol, rand = models["smollm2"], models["random"]
     r: dict = json.loads(partial.read_text()) if partial.exists() else {}
-    r["meta"] = meta(torch)
+    r["meta"] = meta()
     steps: dict[str, Callable[[], object]] = {
         "equal_smollm2": lambda: equal_smollm2(smol, data.first(EQUAL_PAIRS)),
         "equal_random_llama": lambda: equal_random_llama(rand, data, 1 if quick else len(data)),
@@ -464,7 +464,7 @@ def measure(quick: bool, n: int, parts: tuple[str, ...], partial: Path) -> dict:
             continue
         r[key] = steps[key]()
         partial.write_text(json.dumps(r, indent=1, default=str))
-    r["meta"] = meta(torch)  # the load average at the end
+    r["meta"] = meta()  # the load average at the end
     partial.write_text(json.dumps(r, indent=1, default=str))
     return r
 

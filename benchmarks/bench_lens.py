@@ -426,9 +426,10 @@ def tokenizer(folder: str) -> object:
     return T.AutoTokenizer.from_pretrained(folder)
 
 
-def meta() -> dict:
+def environment() -> dict:
+    """When, on which machine, with which torch, transformers and TransformerLens, in how many threads (the
+    lens and circuits benchmarks' records share it)."""
     import importlib.metadata
-    import os
 
     import transformers as T
 
@@ -442,6 +443,14 @@ def meta() -> dict:
         "transformers": T.__version__,
         "transformer_lens": importlib.metadata.version("transformer-lens"),
         "threads": torch.get_num_threads(),
+    }
+
+
+def meta() -> dict:
+    import os
+
+    return {
+        **environment(),
         "load_average_end": [round(x, 2) for x in os.getloadavg()],
         "model": "SmolLM2-135M-Instruct (LlamaForCausalLM, 30 layers x 9 heads, 3 key/value heads, float32)",
         "text": "the docstring of Python's argparse module (inspect.getdoc)",

@@ -2,31 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 from collections.abc import Callable
-from datetime import UTC, datetime
 from pathlib import Path
 
-from multihead.bench.pair import cpu_words, machine
 
+def meta() -> dict:
+    """When, where, with what (``bench_lens.environment``), and the load average now."""
+    from bench_lens import environment  # benchmarks/ is on the path: bench_circuits imports both
 
-def meta(torch: object) -> dict:
-    """When, where, with what, and the load average now."""
-    import transformers as T
-
-    m = machine()
-    return {
-        "when": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "cpu": m.cpu,
-        "cpu_words": cpu_words(),
-        "machine": m.words(),
-        "torch": torch.__version__,
-        "transformers": T.__version__,
-        "transformer_lens": importlib.metadata.version("transformer-lens"),
-        "threads": torch.get_num_threads(),
-        "load_average": [round(x, 2) for x in os.getloadavg()],
-    }
+    return {**environment(), "load_average": [round(x, 2) for x in os.getloadavg()]}
 
 
 def _e(x: float) -> str:

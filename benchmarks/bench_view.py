@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -224,8 +225,18 @@ def main() -> int:
     parser.add_argument(
         "--before", type=Path, help="a source tree (src/) to run the SmolLM2 commands from too"
     )
-    args = parser.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="bench-view-"))
+    return run_and_record(parser.parse_args(), measure, markdown, "view")
+
+
+def run_and_record(
+    args: argparse.Namespace,
+    measure: Callable[[argparse.Namespace, Path], dict],
+    markdown: Callable[[dict], str],
+    stem: str,
+) -> int:
+    """``measure(args, tmp)`` in a scratch folder (removed after), its result printed and, unless
+    ``args.quick``, written as ``results/<stem>.json`` and ``.md`` (this benchmark's and bench_view_inline's)."""
+    tmp = Path(tempfile.mkdtemp(prefix=f"bench-{stem.replace('_', '-')}-"))
     try:
         result = measure(args, tmp)
     finally:
@@ -234,8 +245,8 @@ def main() -> int:
     if args.quick:
         return 0
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "view.json").write_text(json.dumps(result, indent=2) + "\n")
-    (RESULTS / "view.md").write_text(markdown(result))
+    (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (RESULTS / f"{stem}.md").write_text(markdown(result))
     return 0
 
 

@@ -23,12 +23,9 @@ an empty page. Median [IQR]::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import shutil
 import sys
-import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -36,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_view import TOKENS, real_text, render_times  # noqa: E402  (the page benchmark's text and renders)
+from bench_view import TOKENS, real_text, render_times, run_and_record  # noqa: E402  (the page benchmark's)
 
 from multihead.bench.pair import machine  # noqa: E402
 from multihead.bench.stats import spread  # noqa: E402
@@ -170,19 +167,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="one round, nothing written")
     parser.add_argument("--rounds", type=int, default=15, help="render rounds (a browser's draw is noisy)")
     parser.add_argument("--build-rounds", type=int, default=2, help="builds of each contender (CPU-timed)")
-    args = parser.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="bench-view-inline-"))
-    try:
-        result = measure(args, tmp)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    print(json.dumps(result, indent=2))
-    if args.quick:
-        return 0
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "view_inline.json").write_text(json.dumps(result, indent=2) + "\n")
-    (RESULTS / "view_inline.md").write_text(markdown(result))
-    return 0
+    return run_and_record(parser.parse_args(), measure, markdown, "view_inline")
 
 
 if __name__ == "__main__":

@@ -68,6 +68,40 @@ def test_auto_routing_waits_for_a_hot_large_call_and_refuses_what_it_cannot_serv
         assert any("no backward" in r for r in cpu.why_not(prepare(q.requires_grad_(), k, v, mask=band)))
 
 
+class _Kernels:
+    """The two contenders, counted, on a fake clock that advances by each one's cost: flex's compiled entry
+    point without a compiler (nor flex's own compiled wrapper: the block mask's mask_mod, exactly) and
+    blocked."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, flex_s: float = 0.0, blocked_s: float = 0.0) -> None:
+        self.now, self.costs = 0.0, {"flex": flex_s, "blocked": blocked_s}
+        self.calls, self.made = {"flex": 0, "blocked": 0}, []
+        monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+        monkeypatch.setattr(flex_cpu, "_TORCH", flex_cpu.VERIFIED)
+        monkeypatch.setattr(flex_cpu, "_entry_point", lambda: self.flex)
+        monkeypatch.setattr(flex_cpu, "_clock", lambda: self.now)
+
+    def _tick(self, name: str) -> None:
+        self.now, self.calls[name] = self.now + self.costs[name], self.calls[name] + 1
+
+    def flex(self, q, k, v, block_mask, scale, enable_gqa):
+        self._tick("flex")
+        self.made.append(mh.attention_reference(q, k, v, mask=block_mask.mask_mod).to(q.dtype))
+        return self.made[-1]
+
+    def blocked(self, call):
+        self._tick("blocked")
+        return backends.get("blocked")(call)[0]
+
+
+def _causal(b, h, i, j):
+    return j <= i  # query tile t of 1,024 sees t + 1 tiles of 128 keys: 576 keys on average
+
+
+def _narrow(b, h, i, j):
+    return (i - j < 16) & (j - i < 16)  # 2 or 3 tiles: 2.75 x 128 = 352 keys
+
+
 @pytest.mark.parametrize(("flex_s", "blocked_s", "winner"), [(2.0, 1.0, "blocked"), (1.0, 3.0, "flex")])
 @pytest.mark.parametrize("kind", ["causal", "narrow band", "BlockMask"])
 def test_auto_routing_measures_once_and_keeps_the_faster(monkeypatch, flex_s, blocked_s, winner, kind):
@@ -75,84 +109,44 @@ def test_auto_routing_measures_once_and_keeps_the_faster(monkeypatch, flex_s, bl
     mask (on a Zen 1, AVX2 only, blocked won every mask, narrow bands included; on AVX-512 EPYCs the template
     won bands): the first hot call of a (function, shape) compiles, runs both MEASURE_ROUNDS times and the
     faster serves it from then on; a BlockMask passed in is measured the same way."""
-    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
-    monkeypatch.setattr(flex_cpu, "_TORCH", flex_cpu.VERIFIED)
-    now, calls, made = [0.0], {"flex": 0, "blocked": 0}, []
-
-    def entry_point():  # no compiler (nor flex's own compiled wrapper): the block mask's mask_mod, exactly;
-        def run(q, k, v, block_mask, scale, enable_gqa):  # the fake clock advances by each one's cost
-            now[0], calls["flex"] = now[0] + flex_s, calls["flex"] + 1
-            made.append(mh.attention_reference(q, k, v, mask=block_mask.mask_mod).to(q.dtype))
-            return made[-1]
-
-        return run
-
-    def blocked(call):
-        now[0], calls["blocked"] = now[0] + blocked_s, calls["blocked"] + 1
-        return backends.get("blocked")(call)[0]
-
-    monkeypatch.setattr(flex_cpu, "_entry_point", entry_point)
-    monkeypatch.setattr(flex_cpu, "_clock", lambda: now[0])
+    kernels = _Kernels(monkeypatch, flex_s, blocked_s)
     q, k, v = (torch.randn(1, 2, 1024, 8) for _ in range(3))
     cpu = CpuFlex(min_scores=1, hot=1)
-
-    def causal(b, h, i, j):
-        return j <= i
-
-    def narrow(b, h, i, j):
-        return (i - j < 16) & (j - i < 16)
-
     mask = {
-        "causal": causal,  # query tile t sees t + 1 tiles of 128 keys: 576 keys on average
-        "narrow band": narrow,  # 2 or 3 tiles: 2.75 x 128 = 352 keys
-        "BlockMask": flex_attention.create_block_mask(narrow, None, None, 1024, 1024, device="cpu"),
+        "causal": _causal,
+        "narrow band": _narrow,
+        "BlockMask": flex_attention.create_block_mask(_narrow, None, None, 1024, 1024, device="cpu"),
     }[kind]
     call = prepare(q, k, v, mask=mask)
     assert cpu.defers(call) is None  # not measured yet: this call compiles and measures
     with torch.no_grad():
-        out = cpu(call, blocked)
-    assert out is made[0]  # the call's own result, not one of the measured calls
+        out = cpu(call, kernels.blocked)
+    assert out is kernels.made[0]  # the call's own result, not one of the measured calls
     rounds = flex_cpu.MEASURE_ROUNDS
-    assert calls == {"flex": 1 + rounds, "blocked": rounds}  # the call itself, then each measured in turn
+    assert kernels.calls == {"flex": 1 + rounds, "blocked": rounds}  # the call itself, then each in turn
     deferral = cpu.defers(call)
     if winner == "blocked":
         assert deferral is not None and deferral.to == "blocked"
-        assert (
-            "keys on average" in deferral.reason
-            and "1000.0 ms against the compiled template's 2000.0" in (deferral.reason)
-        )
+        assert "keys on average" in deferral.reason
+        assert "1000.0 ms against the compiled template's 2000.0" in deferral.reason
     else:
         assert deferral is None
         with torch.no_grad():
-            cpu(call, blocked)  # measured once: never again
-        assert calls == {"flex": 2 + rounds, "blocked": rounds}
+            cpu(call, kernels.blocked)  # measured once: never again
+        assert kernels.calls == {"flex": 2 + rounds, "blocked": rounds}
 
 
 def test_long_span_limits_the_measurement_to_wide_tiles(monkeypatch):
     """``long_span`` > 0 measures only (function, shape)s whose query tiles see that many keys on average."""
-    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
-    monkeypatch.setattr(flex_cpu, "_TORCH", flex_cpu.VERIFIED)
-    calls = {"flex": 0, "blocked": 0}
-
-    def entry_point():
-        def run(q, k, v, block_mask, scale, enable_gqa):
-            calls["flex"] += 1
-            return mh.attention_reference(q, k, v, mask=block_mask.mask_mod).to(q.dtype)
-
-        return run
-
-    def blocked(call):
-        calls["blocked"] += 1
-        return backends.get("blocked")(call)[0]
-
-    monkeypatch.setattr(flex_cpu, "_entry_point", entry_point)
+    kernels = _Kernels(monkeypatch)
     q, k, v = (torch.randn(1, 2, 1024, 8) for _ in range(3))
     cpu = CpuFlex(min_scores=1, hot=1, long_span=384)
+    rounds = flex_cpu.MEASURE_ROUNDS
     with torch.no_grad():
-        cpu(prepare(q, k, v, mask=lambda b, h, i, j: (i - j < 16) & (j - i < 16)), blocked)  # 352 keys
-        assert calls == {"flex": 1, "blocked": 0}
-        cpu(prepare(q, k, v, mask=lambda b, h, i, j: j <= i), blocked)  # 576 keys: measured
-        assert calls == {"flex": 2 + flex_cpu.MEASURE_ROUNDS, "blocked": flex_cpu.MEASURE_ROUNDS}
+        cpu(prepare(q, k, v, mask=_narrow), kernels.blocked)  # 352 keys: not measured
+        assert kernels.calls == {"flex": 1, "blocked": 0}
+        cpu(prepare(q, k, v, mask=_causal), kernels.blocked)  # 576 keys: measured
+        assert kernels.calls == {"flex": 2 + rounds, "blocked": rounds}
 
 
 def test_the_registry_routes_small_cpu_calls_with_functions_as_before():

@@ -13,7 +13,8 @@ and calls with a softcap or attention sinks, and it never forms a (Lq, Lk) tenso
   for every batch row and head their result does not depend on: the result's broadcast shape), the
   keys no query of the block may see are cut off the span's ends (a span with none is skipped; keys
   beyond the causal diagonal or outside a library mask function's ``key_range`` -- sliding window,
-  chunked, ... -- are never evaluated), and an online softmax (running max and
+  chunked, ... -- are never evaluated; on a structured call the function's values on partial tiles are
+  kept across calls, :mod:`multihead.core.masks.memo`), and an online softmax (running max and
   denominator, flash-attention style) joins the spans. Sinks start the denominator; rows that see no
   key end with output 0. Autograd runs through the tile ops (it keeps tile-sized pieces, so training
   memory follows the visible pairs).
@@ -31,9 +32,7 @@ Equals, for each query i of batch row b and head h (the dense formula, never for
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -43,9 +42,12 @@ from torch import Tensor
 
 from ..checks import is_int, is_tracing
 from ..masks import MaskFunction, Normalized, attn_mask, causal, combine, evaluate_block, open_dead_rows
-from ..masks.blocks import BlockMaskFunction, Blocks, structure
+from ..masks.blocks import BlockMaskFunction, Blocks, captured_versions, structure
+from ..masks.dense import index_grid
+from ..masks.evaluate import call_fn
 from ..segments import Run, packed_runs
-from ._common import group_mask, kv_for_cpu_kernel, unread_zeroed, zero_dead_rows
+from ._common import kv_for_cpu_kernel, unread_zeroed, zero_dead_rows
+from ._fused import fused, serial
 from ._online import OnlineSoftmax
 from ._pieces import pieces
 from .base import AttentionCall
@@ -158,7 +160,7 @@ class BlockedBackend:
             qb = q[:, :, i0:i1] if qs is None else qs[i0, i1]  # (Bs, H, n, Dk)
             dest = None if out is None else out[:, :, i0:i1]  # (Bs, H, n, Dv) view of the output
             if softcap is None and (grad and len(spans) == 1 and sinks is None or not grad and dk == dv):
-                block = _fused(qb, k, v, spans, call.scale, sinks, grad, cut, dest)
+                block = fused(qb, k, v, spans, call.scale, sinks, grad, cut, dest)
             else:
                 dead = _rows_seeing_nothing(spans)  # (Bs|1, H|1, n, 1) or None
                 qz = qb if dead is None else qb.masked_fill(dead, 0.0)  # their garbage: never read
@@ -181,7 +183,7 @@ class BlockedBackend:
                     state.add(s, vt, g, grad)
                 block = state.finish()  # (Bs, H, n, Dv)
             if dest is not None and block is not dest:
-                with _serial():
+                with serial():
                     dest.copy_(block)
             else:
                 blocks.append(block)
@@ -193,13 +195,16 @@ class BlockedBackend:
               grad: bool) -> Iterator[tuple[int, int, list[_Span]]]:  # fmt: skip
         """(i0, i1, the key spans to compute) of each block of queries i0:i1."""
         tiles = frame.structure(self.block_q, self.block_k)  # which tiles are empty, partial, full
-        step = self.block_q if tiles is None else tiles.block_q * max(1, self.block_q // tiles.block_q)
         fn = call.masks.mask_fn
+        if tiles is not None and not is_tracing():  # kept tile values: only while what fn reads is unchanged
+            for f in {id(fn): fn, id(getattr(fn, "inner", fn)): getattr(fn, "inner", fn)}.values():
+                tiles.memo.serve(f, captured_versions(f))
+        step = self.block_q if tiles is None else tiles.block_q * max(1, self.block_q // tiles.block_q)
         if tiles is not None and isinstance(fn, BlockMaskFunction) and fn.inner is not fn:
             step = tiles.block_q  # one row of a BlockMask's blocks: its mask_mod alone decides inside
         for i0 in range(0, lq, step):
             i1 = min(lq, i0 + step)
-            with _serial():  # the masks' ops, serially
+            with serial():  # the masks' ops, serially
                 if tiles is None:  # no structure: the mask is probed tile by tile
                     spans = list(frame.spans(i0, i1, lk, self.span_k, dtype))  # [_Span]
                 else:  # full tiles apart (no mask) where their log-sum-exp is merged; together under autograd
@@ -419,21 +424,32 @@ class _Frame:
         for c in range(c0, c1 + 1):
             here = cols[c] if c < c1 else 0
             if start is not None and (here != cur or (c - start) * bk >= span or here == 0):
-                yield self._block_span(i0, i1, max(lo, start * bk), min(hi, c * bk), dtype, cur == 2,
-                                       bool(pure[start:c].all()))  # fmt: skip
+                yield self._block_span(i0, i1, max(lo, start * bk), min(hi, c * bk), dtype, tiles,
+                                       cur == 2, bool(pure[start:c].all()))  # fmt: skip
                 start = None
             if start is None and here:
                 start, cur = c, here
 
-    def _block_span(self, i0: int, i1: int, j0: int, j1: int, dtype: torch.dtype, full: bool,
+    def _block_span(self, i0: int, i1: int, j0: int, j1: int, dtype: torch.dtype, tiles: Blocks, full: bool,
                     pure: bool) -> _Span:  # fmt: skip
         """One span of a structured block: the mask function left out on full tiles, its inner function
-        used where every tile is partial in every row (a BlockMask's mask_mod), the whole function else."""
+        used where every tile is partial in every row (a BlockMask's mask_mod), the whole function else --
+        its values from the structure's memo (:mod:`multihead.core.masks.memo`), evaluated on a miss."""
         fn = self.m.mask_fn
         inner = fn.inner if isinstance(fn, BlockMaskFunction) and pure else fn
-        frame = replace(self, m=replace(self.m, mask_fn=None if full else inner))
-        keep, bias = frame.tile(i0, i1, j0, j1, dtype)
-        return _Span(j0, j1, keep, bias)
+        keep, bias = replace(self, m=replace(self.m, mask_fn=None)).tile(i0, i1, j0, j1, dtype)
+        if full or inner is None:
+            return _Span(j0, j1, keep, bias)
+
+        def evaluate() -> Tensor:  # (B|1, H|1, n|1, w|1): the function alone on the tile
+            idx = index_grid(self.target, self.device, queries=range(i0, i1), keys=range(j0, j1))
+            return call_fn(inner, "mask", idx, self.m.mask_broadcast)
+
+        if is_tracing():
+            return _Span(j0, j1, combine(keep, evaluate()), bias)
+        return _Span(
+            j0, j1, combine(keep, tiles.memo.keep(inner, (self.target, i0, i1, j0, j1), evaluate)), bias
+        )
 
     def key_range(self, i0: int, i1: int, lk: int) -> tuple[int, int]:
         """Local keys lo:hi outside which queries i0:i1 see nothing: the causal diagonal and the mask
@@ -490,106 +506,3 @@ def _joined(pieces: list[tuple[int, Tensor | None]]) -> Tensor | None:
     parts = [torch.ones((), dtype=torch.bool, device=masks[0].device).expand(*lead, w) if m is None
              else m.expand(*lead, w) for w, m in pieces]  # fmt: skip
     return torch.cat(parts, dim=-1)
-
-
-# ----------------------------------------------------------------------------------------------
-# Spans through the fused CPU kernel, joined by their log-sum-exp
-# ----------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _serial() -> Iterator[None]:
-    """One torch thread inside: a tile's mask ops (a few hundred thousand elements each) are cheaper run
-    serially than as parallel regions that wait for the other threads (on a busy machine, by far: 3x for
-    a band's forward at load 7, 1.25x for its training step, on 2 cores).
-
-    torch's thread count is process-wide, so it is changed only while the calling thread is the process's
-    only Python thread: no other thread can observe it or race on restoring it. With other threads alive
-    (a server, a data-loading thread) the ops run on the shared pool, at the cost above."""
-    threads = torch.get_num_threads()
-    if threads == 1 or threading.active_count() > 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _fused(qb: Tensor, k: Tensor, v: Tensor, spans: list[_Span], scale: float, sinks: Tensor | None,
-           grad: bool, cut: Callable[[int, int], tuple[Tensor, Tensor]],
-           dest: Tensor | None = None) -> Tensor:  # fmt: skip
-    """One block of queries qb (Bs, H, n, Dk) over its spans, each through PyTorch's fused CPU attention
-    kernel (the G query heads of a kv head stacked as rows) with the span's mask and bias as one additive
-    mask -> (Bs, H, n, Dv).
-
-    Without autograd the spans (and the sinks) are joined by their log-sum-exp, which the kernel returns,
-    in place in ``dest`` (Bs, H, n, Dv), the block's rows of the call's output (:func:`_span_into`). With
-    autograd (whose log-sum-exp has no gradient) there is one span and no sink (the caller checks).
-    """
-    b, h, n, dk = qb.shape
-    hkv, dv = k.shape[1], v.shape[3]
-    qg = qb.reshape(b, hkv, h // hkv * n, dk)  # (Bs, Hkv, G*n, Dk), heads stacked
-    if not grad and dest is None:
-        dest = qb.new_empty(b, h, n, dv)  # (Bs, H, n, Dv)
-    lse: Tensor | None = None
-    for j0, j1, keep, bias in spans:
-        with _serial():
-            keep, bias, row_ok = open_dead_rows(
-                keep, bias
-            )  # rows that see nothing here: re-opened, zeroed below
-            mask = attn_mask(keep, bias, qg.dtype)  # the bias (or 0) where allowed, -inf elsewhere
-        if mask is not None:
-            mask = group_mask(mask.expand(*mask.shape[:3], j1 - j0), h, hkv, n)  # (Bs|1, Hkv|1, G*n|1, w)
-        qs, kt, vt = unread_zeroed(qb, *cut(j0, j1), keep, bias, row_ok, scale)  # (Bs, *, w, D)
-        qs = qg if qs is qb else qs.reshape(b, hkv, h // hkv * n, dk)  # hidden garbage: never read
-        if grad:
-            o = F.scaled_dot_product_attention(qs, kt, vt, attn_mask=mask, scale=scale)  # (Bs, Hkv, G*n, Dv)
-            return zero_dead_rows(o.reshape(b, h, n, dv), row_ok)  # (Bs, H, n, Dv)
-        assert dest is not None
-        lse = _span_into(dest, lse, qs, kt, vt, mask, row_ok, scale)
-    assert dest is not None
-    if lse is None:
-        return dest.zero_()
-    if sinks is not None:
-        sink = sinks.to(qg.dtype).view(1, h, 1, 1).expand(b, h, n, 1)  # (Bs, H, n, 1)
-        _join(dest, lse, None, sink)
-    return dest
-
-
-def _span_into(dest: Tensor, lse: Tensor | None, qs: Tensor, kt: Tensor, vt: Tensor, mask: Tensor | None,
-               row_ok: Tensor | None, scale: float) -> Tensor:  # fmt: skip
-    """One span of a block, without autograd: qs (Bs, Hkv, G*n, Dk) against kt/vt (Bs, Hkv, w, D) through
-    the fused kernel, joined in place into ``dest`` (Bs, H, n, Dv) by the log-sum-exps ``lse`` (Bs, H, n, 1)
-    of the spans before it (``None``: the first, written as it is) -> the log-sum-exps with this span.
-
-    A block holds one span's kernel output beside the call's output and no partial sums. Joined out of
-    place (``acc * exp(..) + o * exp(..)``: five block-sized tensors at once) a two-sided window of 512 at
-    L = 16,384 (H = 8, D = 64, float32) grew 35.8-37.9 MiB against the unmasked call's 32.7-32.9 (Zen 1,
-    fresh processes); in place, 33.5-34.1 (docs/performance.md).
-    """
-    b, h, n, dv = dest.shape
-    o, part = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        qs, kt, vt, 0.0, False, attn_mask=mask, scale=scale
-    )  # (Bs, Hkv, G*n, Dv), (Bs, Hkv, G*n)
-    o, part = o.reshape(b, h, n, dv), part.reshape(b, h, n, 1)
-    if row_ok is not None:
-        o, part = o.mul_(row_ok), part.masked_fill_(~row_ok, float("-inf"))
-    with _serial():
-        if lse is None:
-            dest.copy_(o)
-            return part
-        return _join(dest, lse, o, part)[1]
-
-
-def _join(acc: Tensor, lse: Tensor, o: Tensor | None, part: Tensor) -> tuple[Tensor, Tensor]:
-    """Two normalised partial outputs (Bs, H, n, Dv) with their log-sum-exps (Bs, H, n, 1) -> one, in place
-    in ``acc`` (``o`` is rescaled in place too; ``None``: a sink, which carries no value)."""
-    with _serial():
-        total = torch.logaddexp(lse, part)  # (Bs, H, n, 1)
-        shift = total.masked_fill(torch.isneginf(total), 0.0)  # rows with nothing so far stay 0
-        acc.mul_(torch.exp(lse - shift))
-        if o is not None:
-            acc.add_(o.mul_(torch.exp(part - shift)))
-        return acc, total

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -28,6 +28,7 @@ from ..checks import is_int, is_tracing
 from .dense import index_grid
 from .evaluate import call_fn, how_to_call
 from .functions import MaskFn, MaskFunction, check_callable, fn_name
+from .memo import TileMemo
 from .ranges import tile_bounds
 
 __all__ = [
@@ -49,7 +50,8 @@ class Blocks:
     """Tiles of ``block_q`` queries x ``block_k`` keys over an (Lq, Lk) grid, for every batch row and head:
     ``allowed`` (nq, nk) bool -- some pair of the tile may be allowed (the tile is computed); ``full``
     (nq, nk) bool -- every pair is allowed (the tile is computed with no mask). A tile that is neither is
-    empty; one that is allowed and not full is partial (the mask function decides inside it)."""
+    empty; one that is allowed and not full is partial (the mask function decides inside it). ``memo``:
+    the function's values on the partial tiles, kept across layers and calls (:mod:`.memo`)."""
 
     block_q: int
     block_k: int
@@ -59,6 +61,7 @@ class Blocks:
     full: Tensor
     batch: int = 1  # the B and H it was built for: 1 = the same for every batch row / head
     heads: int = 1
+    memo: TileMemo = field(default_factory=TileMemo, compare=False, repr=False)  # partial tiles' values
 
     def check(self, target: tuple[int, int, int, int]) -> None:
         """A ``ValueError`` unless this structure was built for the call ``target`` (B, H, Lq, Lk)."""
@@ -300,10 +303,17 @@ _CACHE: weakref.WeakKeyDictionary[object, dict[tuple, tuple[tuple, Blocks | None
 
 
 def captured_versions(fn: object, depth: int = 2) -> tuple:
-    """Versions of the tensors ``fn`` closes over (and those of the functions it closes over): a cached
-    structure is rebuilt when one of them changed in place."""
+    """Versions of the tensors ``fn`` closes over or reads as globals (and those of the functions it closes
+    over): a cached structure, and the tile values kept with it, are rebuilt when one changed in place."""
     out: list[tuple[int, int]] = []
-    cells = getattr(getattr(fn, "fn", fn), "__closure__", None) or ()
+    inner = getattr(fn, "fn", fn)
+    names = getattr(getattr(inner, "__code__", None), "co_names", ())
+    scope = getattr(inner, "__globals__", None) or {}
+    for name in names:
+        value = scope.get(name)
+        if isinstance(value, Tensor):
+            out.append((id(value), value._version))
+    cells = getattr(inner, "__closure__", None) or ()
     for cell in cells:
         try:
             value = cell.cell_contents

@@ -198,7 +198,7 @@ def combine(*masks: Tensor | None) -> Tensor | None:
 
 def to_bias(mask: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     """Bool mask to an additive float bias: 0 where allowed, ``-inf`` where masked."""
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return torch.full(mask.shape, float("-inf"), dtype=dtype, device=mask.device).masked_fill_(mask, 0.0)
 
 
 def segment_mask(q_ids: Tensor, kv_ids: Tensor) -> Tensor:

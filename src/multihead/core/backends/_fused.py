@@ -84,29 +84,56 @@ def fused(qb: Tensor, k: Tensor, v: Tensor, spans: Sequence[Span], scale: float,
     return dest
 
 
+KERNEL_OUT = 1 << 17
+"""Bytes of one fused-kernel output without autograd: a block's kv heads go through the kernel a few at a
+time, so what it returns beside the call's output stays this small (two heads of 256 queries x 64 in
+float32), in at most :data:`CALLS` calls a span (see :func:`_span_into`)."""
+
+CALLS = 4
+"""Most kernel calls one span is split into: four cost 7-11% of a two-sided window's time at H = 8 (Zen 1);
+a model with many or wide heads gets larger pieces rather than a call per head."""
+
+
 def _span_into(dest: Tensor, lse: Tensor | None, qs: Tensor, kt: Tensor, vt: Tensor, mask: Tensor | None,
                row_ok: Tensor | None, scale: float) -> Tensor:  # fmt: skip
     """One span of a block, without autograd: qs (Bs, Hkv, G*n, Dk) against kt/vt (Bs, Hkv, w, D) through
     the fused kernel, joined in place into ``dest`` (Bs, H, n, Dv) by the log-sum-exps ``lse`` (Bs, H, n, 1)
     of the spans before it (``None``: the first, written as it is) -> the log-sum-exps with this span.
 
-    A block holds one span's kernel output beside the call's output and no partial sums. Joined out of
-    place (``acc * exp(..) + o * exp(..)``: five block-sized tensors at once) a two-sided window of 512 at
-    L = 16,384 (H = 8, D = 64, float32) grew 35.8-37.9 MiB against the unmasked call's 32.7-32.9 (Zen 1,
-    fresh processes); in place, 33.5-34.1 (docs/performance.md).
+    A block holds one kernel output of at most :data:`KERNEL_OUT` bytes beside the call's output (its kv
+    heads a few at a time) and no partial sums. Joined out of place (``acc * exp(..) + o * exp(..)``: five
+    block-sized tensors at once) a two-sided window of 512 at L = 16,384 (H = 8, D = 64, float32) grew
+    35.8-37.9 MiB against the unmasked call's 32.7-32.9 (Zen 1, fresh processes); in place, all heads at
+    once, 33.5-34.1; two heads at a time, see docs/performance.md.
     """
     b, h, n, dv = dest.shape
-    o, part = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        qs, kt, vt, 0.0, False, attn_mask=mask, scale=scale
-    )  # (Bs, Hkv, G*n, Dv), (Bs, Hkv, G*n)
-    o, part = o.reshape(b, h, n, dv), part.reshape(b, h, n, 1)
-    if row_ok is not None:
-        o, part = o.mul_(row_ok), part.masked_fill_(~row_ok, float("-inf"))
-    with serial():
-        if lse is None:
-            dest.copy_(o)
-            return part
-        return _join(dest, lse, o, part)[1]
+    hkv = qs.shape[1]
+    g = h // hkv
+    per_head = max(1, b * g * n * dv * dest.element_size())  # bytes of one kv head's kernel output
+    step = max(-(-hkv // CALLS), KERNEL_OUT // per_head)  # kv heads a kernel call: at most CALLS calls
+    first = lse is None
+    if first:
+        lse = dest.new_empty(b, h, n, 1)
+    assert lse is not None
+    for c0 in range(0, hkv, step):
+        c1 = min(hkv, c0 + step)
+        m = mask if mask is None or mask.shape[1] == 1 else mask[:, c0:c1]
+        o, part = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qs[:, c0:c1], kt[:, c0:c1], vt[:, c0:c1], 0.0, False, attn_mask=m, scale=scale
+        )  # (Bs, c, G*n, Dv), (Bs, c, G*n)
+        heads = slice(c0 * g, c1 * g)
+        o, part = o.reshape(b, (c1 - c0) * g, n, dv), part.reshape(b, (c1 - c0) * g, n, 1)
+        if row_ok is not None:
+            ok = row_ok if row_ok.shape[1] == 1 else row_ok[:, heads]
+            o, part = o.mul_(ok), part.masked_fill_(~ok, float("-inf"))
+        with serial():
+            if first:
+                dest[:, heads].copy_(o)
+                lse[:, heads].copy_(part)
+            else:
+                lse[:, heads].copy_(_join(dest[:, heads], lse[:, heads], o, part)[1])
+        del o, part  # before the next kernel call makes its own
+    return lse
 
 
 def _join(acc: Tensor, lse: Tensor, o: Tensor | None, part: Tensor) -> tuple[Tensor, Tensor]:

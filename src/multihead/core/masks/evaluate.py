@@ -227,8 +227,8 @@ query rows, at most 256 of them, so the function's own temporaries (an int64 ``q
 ``abs``) stay small -- 128 KiB each on a 256 x 256 tile, where called whole they were 512 KiB, more than the
 rest of a sliding window's blocked call beside its output (and placed by the allocator on fresh pages);
 2 MiB on the 2**26-point grid of a dense evaluation, where they were 512 MiB. A window mask evaluated densely
-at 8,192 x 8,192 (H = 4) took 0.36x the whole call's time (0.27x at 4,096; an ALiBi-like bias 0.38x, 0.40x;
-Zen 1, two threads): the chunks stay in cache."""
+at 4,096 and 8,192 (H = 4) took 0.37x and 0.29x the whole call's time, an ALiBi-like bias 0.80x and 0.61x
+(Zen 1, benchmarks/results/window_memory_zen1.md): the chunks stay in cache."""
 
 
 def _rows(idx: Index, r0: int, r1: int) -> Index:

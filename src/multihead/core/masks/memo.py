@@ -10,13 +10,13 @@ and two distinct ones. :class:`TileMemo` keeps them: per tile (by its place), th
 per distinct content, within a byte budget (a function whose tiles are all different keeps the first ones
 and is evaluated on the rest as before).
 
-Why: the function's own temporaries (``q_idx - kv_idx`` in int64, its ``abs``) and the result, allocated
-and freed on every partial tile of every call, were what a window call held beside its output -- and the
-allocator placed them on fresh pages: the call's peak resident set grew 0.5-2 MiB above the unmasked
-call's at L = 16,384 (docs/performance.md, issue 55). Served from the memo, a call evaluates nothing.
+Why: the function's own temporaries (``q_idx - kv_idx`` in int64, its ``abs``), allocated and freed on
+every partial tile of every call, were the largest thing a sliding window's call held beside its output
+(1 MiB at 256 x 256 tiles; the unmasked call holds 1.06 MiB in all at L = 16,384), and evaluating them
+took 7-15% of the window's time. Served from the memo, a call evaluates nothing (docs/performance.md).
 
 Validity: the memo belongs to one :class:`~.blocks.Blocks`, which is rebuilt when a tensor the function
-closes over changes in place (:func:`~.blocks.captured_versions`); the memo also checks those versions of
+closes over or reads as a global changes in place (:func:`~.blocks.captured_versions`); the memo also checks those versions of
 the function it serves on every call (:meth:`TileMemo.serve`), since a user-built block mask outlives them.
 Values are shared between tiles and calls: callers never write into what :meth:`TileMemo.keep` returns.
 """

@@ -29,8 +29,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -40,6 +38,7 @@ import torch
 import multihead as mh
 from multihead.bench.measure import live_tensor_peak
 from multihead.bench.pair import PAIR_SETTINGS, cpu_words, machine, time_pair
+from multihead.bench.window_memory import growth
 from multihead.core.masks import memo as memo_module
 from multihead.core.masks.blocks import _CACHE
 from multihead.progress import Progress
@@ -48,23 +47,6 @@ RESULTS = Path(__file__).resolve().parent / "results"
 PARTS = "live,resident,time,dense"
 WINDOW = 512
 
-_CHILD = """
-import sys, torch
-torch.set_num_threads(1)
-import multihead as mh
-from multihead.bench.contenders import Step
-from multihead.bench.measure import peak_memory, track_cpu_memory
-n, masked = int(sys.argv[1]), sys.argv[2] == "window"
-torch.manual_seed(0)
-q, k, v = (torch.randn(1, 8, n, 64) for _ in range(3))
-window = lambda b, h, i, j: (i - j).abs() <= 512
-def call():
-    with torch.no_grad():
-        return mh.attention(q, k, v, mask=window, backend="blocked") if masked else mh.attention(q, k, v)
-call()
-track_cpu_memory()
-print(peak_memory(Step(call), torch.device("cpu")))
-"""
 
 MASKS = {
     "two-sided window 512": lambda b, h, i, j: (i - j).abs() <= WINDOW,
@@ -128,13 +110,6 @@ def live_tensors(lengths: list[int]) -> list[dict]:
     return rows
 
 
-def _growth(n: int, kind: str) -> float:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
-    done = subprocess.run([sys.executable, "-c", _CHILD, str(n), kind], capture_output=True, text=True, env=env,
-                          timeout=600, check=True)  # fmt: skip
-    return float(done.stdout.split()[-1])
-
-
 def resident(n: int, windows: int, plains: int) -> dict:
     """Part 2: resident growth of fresh processes, window and unmasked alternated."""
     order = ["window"] * windows
@@ -142,7 +117,7 @@ def resident(n: int, windows: int, plains: int) -> dict:
         order.insert(min(len(order), 2 * i + 1), "plain")
     got: dict[str, list[float]] = {"window": [], "plain": []}
     for kind in progress(order, desc=f"fresh processes, L={n}"):
-        got[kind].append(_growth(n, kind))
+        got[kind].append(growth(n, kind))
     med = {k: statistics.median(v) for k, v in got.items()}
     return {
         "L": n,

@@ -11,46 +11,16 @@ unmasked call's 8.4 when the spans were joined out of place, 9.4-9.6 in place (Z
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-_CHILD = """
-import sys, torch
-torch.set_num_threads(1)
-import multihead as mh
-from multihead.bench.contenders import Step
-from multihead.bench.measure import peak_memory, track_cpu_memory
-n, masked = int(sys.argv[1]), sys.argv[2] == "window"
-torch.manual_seed(0)
-q, k, v = (torch.randn(1, 8, n, 64) for _ in range(3))  # (B, H, L, D)
-window = lambda b, h, i, j: (i - j).abs() <= 512  # held across calls, as a training loop holds its mask
-def call():
-    with torch.no_grad():
-        if masked:
-            return mh.attention(q, k, v, mask=window, backend="blocked")
-        return mh.attention(q, k, v)
-call()  # the warm-up
-track_cpu_memory()
-print(peak_memory(Step(call), torch.device("cpu")))
-"""
+from multihead.bench.window_memory import growth
 
 
 def _growth(length: int, kind: str) -> float:
     """MiB of peak resident growth of one call (``kind``: "window" or "plain") in a fresh process."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
-    done = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(length), kind],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    return float(done.stdout.split()[-1])
+    return growth(length, kind, timeout=300)
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc peak RSS reset")

@@ -196,8 +196,10 @@ class BlockedBackend:
         """(i0, i1, the key spans to compute) of each block of queries i0:i1."""
         tiles = frame.structure(self.block_q, self.block_k)  # which tiles are empty, partial, full
         fn = call.masks.mask_fn
-        if tiles is not None and not is_tracing():  # kept tile values: only while what fn reads is unchanged
-            for f in {id(fn): fn, id(getattr(fn, "inner", fn)): getattr(fn, "inner", fn)}.values():
+        if isinstance(fn, BlockMaskFunction) and tiles is not None and not is_tracing():
+            # a block mask's structure outlives what its functions read (a plain function's structure, and
+            # the memo with it, is rebuilt by structure() instead): its kept tile values are checked here
+            for f in (fn,) if fn.inner is fn else (fn, fn.inner):
                 tiles.memo.serve(f, captured_versions(f))
         step = self.block_q if tiles is None else tiles.block_q * max(1, self.block_q // tiles.block_q)
         if tiles is not None and isinstance(fn, BlockMaskFunction) and fn.inner is not fn:
